@@ -1,0 +1,105 @@
+"""A small generated detection dataset: filled shapes on a noisy background, in YOLO format.
+
+Used as the embedded default of ddp_train_dual.py (no --data), by the tests and by the benchmarks.
+Every image is a pure function of (seed, split, index), so two runs with the same arguments
+produce the same bytes, and a dataset folder is only ever replaced whole (built beside, renamed).
+"""
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+CLASS_NAMES = ('rectangle', 'ellipse', 'triangle')
+SPEC_FILE = 'demo-spec.json'
+
+
+@dataclass(frozen=True)
+class DemoSpec:
+    train: int = 256
+    val: int = 64
+    imgsz: int = 128
+    seed: int = 0
+    max_objects: int = 4
+
+
+def draw_image(spec: DemoSpec, split: str, index: int):
+    """One image (HxWx3 uint8) and its labels (rows of class, x, y, w, h normalised)."""
+    rng = np.random.default_rng([spec.seed, 0 if split == 'train' else 1, index])
+    size = spec.imgsz
+    image = rng.integers(0, 60, (size, size, 3), dtype=np.uint8) + np.uint8(rng.integers(40, 140))
+    labels = []
+    for _ in range(int(rng.integers(1, spec.max_objects + 1))):
+        cls = int(rng.integers(len(CLASS_NAMES)))
+        w, h = rng.uniform(0.15, 0.45, 2) * size
+        cx, cy = rng.uniform(w / 2, size - w / 2), rng.uniform(h / 2, size - h / 2)
+        color = tuple(int(c) for c in rng.integers(150, 256, 3))
+        x0, y0, x1, y1 = int(cx - w / 2), int(cy - h / 2), int(cx + w / 2), int(cy + h / 2)
+        if cls == 0:
+            cv2.rectangle(image, (x0, y0), (x1, y1), color, thickness=-1)
+        elif cls == 1:
+            cv2.ellipse(image, (int(cx), int(cy)), (int(w / 2), int(h / 2)), 0, 0, 360, color, thickness=-1)
+        else:
+            points = np.array([[int(cx), y0], [x0, y1], [x1, y1]], dtype=np.int32)
+            cv2.fillPoly(image, [points], color)
+        labels.append((cls, (x0 + x1) / 2 / size, (y0 + y1) / 2 / size, (x1 - x0) / size, (y1 - y0) / size))
+    return image, labels
+
+
+def _write_split(root: Path, spec: DemoSpec, split: str, count: int):
+    images, labels = root / 'images' / split, root / 'labels' / split
+    images.mkdir(parents=True)
+    labels.mkdir(parents=True)
+    for index in range(count):
+        image, rows = draw_image(spec, split, index)
+        cv2.imwrite(str(images / f'{split}_{index:06d}.jpg'), image)
+        (labels / f'{split}_{index:06d}.txt').write_text(''.join(
+            f'{c} {x:.6f} {y:.6f} {w:.6f} {h:.6f}\n' for c, x, y, w, h in rows))
+
+
+def data_yaml_text(root: Path) -> str:
+    names = ''.join(f'  {i}: {name}\n' for i, name in enumerate(CLASS_NAMES))
+    return f'path: {root}\ntrain: images/train\nval: images/val\nnames:\n{names}'
+
+
+def ensure_demo_dataset(root, spec: DemoSpec = DemoSpec(), log=print) -> Path:
+    """Return root/data.yaml, generating the dataset first unless root already holds this spec."""
+    root = Path(root).resolve()
+    spec_file = root / SPEC_FILE
+    if spec_file.is_file() and json.loads(spec_file.read_text()) == asdict(spec):
+        return root / 'data.yaml'
+    if root.exists() and any(root.iterdir()) and not spec_file.is_file():
+        raise FileExistsError(f'{root} exists and is not a demo dataset; choose another folder')
+    log(f'generating demo dataset in {root}: {spec.train} train + {spec.val} val images at {spec.imgsz} px')
+    root.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f'.{root.name}.', dir=root.parent))
+    try:
+        _write_split(work, spec, 'train', spec.train)
+        _write_split(work, spec, 'val', spec.val)
+        (work / 'data.yaml').write_text(data_yaml_text(root))
+        (work / SPEC_FILE).write_text(json.dumps(asdict(spec), sort_keys=True))
+        if root.exists():
+            shutil.rmtree(root)
+        os.replace(work, root)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return root / 'data.yaml'
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('root', type=Path, help='folder to create (data.yaml goes inside)')
+    for field, default in asdict(DemoSpec()).items():
+        parser.add_argument(f'--{field.replace("_", "-")}', type=int, default=default)
+    args = parser.parse_args(argv)
+    spec = DemoSpec(**{k: v for k, v in vars(args).items() if k != 'root'})
+    print(ensure_demo_dataset(args.root, spec))
+
+
+if __name__ == '__main__':
+    main()
