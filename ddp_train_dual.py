@@ -1,0 +1,505 @@
+#!/usr/bin/env python3
+"""Distributed training of YOLOv9 dual-head models: a drop-in replacement for train_dual.py.
+
+    torchrun --nproc_per_node N ddp_train_dual.py ARGS     N GPUs (NCCL), or N CPU processes with --device cpu (gloo)
+    torchrun --nnodes M --nproc_per_node N --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB ...
+    python ddp_train_dual.py ARGS                          one process, as train_dual.py
+    python -m torch.distributed.launch --nproc_per_node N ddp_train_dual.py ARGS   (legacy launcher)
+
+ARGS are train_dual.py's flags (see --help). Installed into a YOLOv9 clone by apply_patches.py; it
+imports upstream's modules from that clone and the kit's own from yolov9_ddp/ beside it.
+"""
+import os
+import sys
+
+if int(os.environ.get('RANK', 0)) != 0:
+    os.environ.setdefault('TQDM_DISABLE', '1')  # progress bars on rank 0 only; read when tqdm is first imported
+
+import inspect  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import random  # noqa: E402
+import time  # noqa: E402
+from contextlib import nullcontext  # noqa: E402
+from copy import deepcopy  # noqa: E402
+from datetime import datetime  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import yaml  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from torch.optim import lr_scheduler  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import val_dual  # noqa: E402
+from models.yolo import Model  # noqa: E402
+from utils.autobatch import check_train_batch_size  # noqa: E402
+from utils.callbacks import Callbacks  # noqa: E402
+from utils.general import (LOGGER, TQDM_BAR_FORMAT, check_dataset, check_img_size, check_yaml,  # noqa: E402
+                           colorstr, get_latest_run, increment_path, init_seeds, intersect_dicts,
+                           labels_to_class_weights, labels_to_image_weights, methods, one_cycle, one_flat_cycle,
+                           print_args, strip_optimizer, yaml_save)
+from utils.loggers import Loggers  # noqa: E402
+from utils.loss_tal_dual import ComputeLoss  # noqa: E402
+from utils.metrics import fitness  # noqa: E402
+from utils.torch_utils import EarlyStopping, ModelEMA, smart_optimizer  # noqa: E402
+from yolov9_ddp import checkpoint, cli, comm, data, runs  # noqa: E402
+from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset  # noqa: E402
+from yolov9_ddp.ema import synchronize_ema  # noqa: E402
+
+NOMINAL_BATCH = 64  # upstream's nbs: gradients are accumulated up to this many images per optimizer step
+EXIT_USAGE, EXIT_FAILED = 2, 1
+KIT_ERRORS = (cli.UsageError, comm.LaunchError, checkpoint.CheckpointError, comm.PeerFailed, data.DataError)
+
+
+# -- setup ---------------------------------------------------------------------------------------------------------
+
+def configure_logging():
+    """Rank 0 logs as upstream; other ranks keep warnings and errors only, prefixed with their rank."""
+    rank = comm.get_rank()
+    if rank == 0:
+        return
+    LOGGER.setLevel(logging.WARNING)
+    for handler in LOGGER.handlers:
+        handler.setFormatter(logging.Formatter(f'[rank {rank}] %(message)s'))
+
+
+def resolve_data(opt) -> str:
+    """--data, or the demo dataset (generated once per node, rank 0 first)."""
+    if not cli.uses_demo(opt):
+        return opt.data
+    folder = opt.demo_dir or Path(opt.project).parent / 'demo-data'
+    yaml_path = comm.run_staged(lambda: ensure_demo_dataset(folder, DemoSpec(), log=LOGGER.info))
+    if opt.cfg == 'yolo.yaml' and not opt.weights:  # no model named either: the kit's tiny one
+        opt.cfg = str(cli.DEMO_CFG)
+    return str(yaml_path)
+
+
+def resolve_model_files(opt):
+    try:
+        opt.cfg = check_yaml(opt.cfg) if opt.cfg else ''
+    except AssertionError as e:
+        raise cli.UsageError(f'--cfg {opt.cfg}: {e}') from e
+    if not opt.cfg and not opt.weights:
+        raise cli.UsageError('either --cfg or --weights must be specified')
+
+
+def restore_resumed_options(opt, plan):
+    """On resume, take the run's saved options (as upstream), keeping this launch's device and kit settings."""
+    saved = plan.save_dir / 'opt.yaml'
+    if not saved.is_file():
+        raise checkpoint.CheckpointError(f'{saved} is missing: cannot resume the run in {plan.save_dir}')
+    launch = {k: getattr(opt, k) for k in ('device', 'workers', 'ddp_timeout', 'local_rank', 'auto_resume')}
+    restored = yaml.safe_load(saved.read_text())
+    vars(opt).update(restored, **launch)
+    opt.resume, opt.weights, opt.cfg = True, str(plan.resume_from), ''  # the model comes from the checkpoint
+
+
+def plan_and_create_run(opt) -> runs.RunPlan:
+    """Rank 0 decides the run folder (creating it), every rank learns the decision."""
+    plan, error = None, None
+    if comm.is_primary():
+        try:
+            plan = runs.plan_run(opt, get_latest_run, increment_path)
+            if not plan.finished:
+                runs.start_record(plan)
+        except (checkpoint.CheckpointError, OSError) as e:
+            error = e
+    comm.raise_if_any_failed(error)
+    return comm.broadcast_object(plan)
+
+
+def load_everywhere(path: Path, require_resume_state: bool) -> dict:
+    """Rank 0 reads the checkpoint and sends it to the others (nodes need not share a filesystem)."""
+    ckpt, error = None, None
+    if comm.is_primary():
+        try:
+            ckpt = checkpoint.load_checkpoint(path, require_resume_state)
+        except checkpoint.CheckpointError as e:
+            error = e
+    comm.raise_if_any_failed(error)
+    return comm.broadcast_object(ckpt)
+
+
+def rank_local_buffers() -> dict:
+    """DDP option that stops the per-forward broadcast of buffers (BatchNorm statistics stay per rank and are
+    averaged each epoch, see yolov9_ddp.ema); torch >= 2.14 renamed broadcast_buffers to forward_sync_buffers."""
+    if 'forward_sync_buffers' in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {'forward_sync_buffers': False}
+    return {'broadcast_buffers': False}
+
+
+# -- the trainer ---------------------------------------------------------------------------------------------------
+
+class Trainer:
+    """One training run: setup(), then fit() runs epochs of train_step() with validate() and save()."""
+
+    def __init__(self, opt, device, plan):
+        self.opt, self.device, self.plan = opt, device, plan
+        self.rank, self.world = comm.get_rank(), comm.get_world_size()
+        self.primary = self.rank == 0
+        self.save_dir = plan.save_dir
+        self.weights_dir = self.save_dir / 'weights'
+        self.last, self.best = self.weights_dir / 'last.pt', self.weights_dir / 'best.pt'
+        self.callbacks = Callbacks()  # actions registered on rank 0 only: other ranks log nothing
+        self.best_fitness, self.start_epoch = 0.0, 0
+        self.results = (0, 0, 0, 0, 0, 0, 0)  # P, R, mAP@.5, mAP@.5-.95, val losses
+
+    # setup -----------------------------------------------------------------------------------------------------
+
+    def setup(self):
+        opt = self.opt
+        self.hyp = self.load_hyp()
+        if self.primary:
+            yaml_save(self.save_dir / 'hyp.yaml', self.hyp)
+            yaml_save(self.save_dir / 'opt.yaml', {k: v for k, v in vars(opt).items() if k != 'save_dir'})
+            loggers = Loggers(self.save_dir, opt.weights, opt, self.hyp, LOGGER)
+            for action in methods(loggers):
+                self.callbacks.register_action(action, callback=getattr(loggers, action))
+        self.callbacks.run('on_pretrain_routine_start')
+        init_seeds(opt.seed + 1 + self.rank, deterministic=True)
+        self.data_dict = comm.run_staged(self.check_data)  # may download: rank 0 first
+        self.nc = 1 if opt.single_cls else int(self.data_dict['nc'])
+        names = self.data_dict['names']
+        self.names = {0: 'item'} if opt.single_cls and len(names) != 1 else names
+        ckpt = load_everywhere(Path(opt.weights), opt.resume) if opt.weights.endswith('.pt') else None
+        self.build_model(ckpt)
+        self.amp = self.device.type == 'cuda'  # upstream's check_amp() passes on every CUDA device
+        gs = max(int(self.model.stride.max()), 32)
+        self.imgsz = check_img_size(opt.imgsz, gs, floor=gs * 2)
+        self.batch_size = self.resolve_batch_size()
+        self.build_optimizer()
+        self.build_loaders(gs)
+        self.wrap_model()  # DDP makes every rank's weights rank 0's
+        self.ema = ModelEMA(self.raw_model)  # so the EMA starts identical on every rank
+        self.scaler = torch.amp.GradScaler('cuda', enabled=self.amp)
+        if ckpt is not None and opt.resume:
+            self.restore(ckpt)
+        del ckpt
+        self.compute_loss = ComputeLoss(self.raw_model)
+
+    def check_data(self):
+        try:
+            return check_dataset(self.opt.data)
+        except Exception as e:  # upstream reports a bad data yaml with assertions and bare exceptions
+            raise cli.UsageError(f'--data {self.opt.data}: {e}') from e
+
+    def load_hyp(self):
+        hyp = self.opt.hyp if isinstance(self.opt.hyp, dict) else yaml.safe_load(Path(self.opt.hyp).read_text())
+        hyp['anchor_t'] = 5.0  # as train_dual.py
+        hyp['label_smoothing'] = self.opt.label_smoothing
+        LOGGER.info(colorstr('hyperparameters: ') + ', '.join(f'{k}={v}' for k, v in hyp.items()))
+        self.opt.hyp = hyp.copy()
+        return hyp
+
+    def build_model(self, ckpt):
+        opt, hyp = self.opt, self.hyp
+        cfg = opt.cfg or ckpt['model'].yaml
+        model = Model(cfg, ch=3, nc=self.nc, anchors=hyp.get('anchors')).to(self.device)
+        if ckpt is not None:
+            exclude = ['anchor'] if (opt.cfg or hyp.get('anchors')) and not opt.resume else []
+            state = intersect_dicts(ckpt['model'].float().state_dict(), model.state_dict(), exclude=exclude)
+            model.load_state_dict(state, strict=False)
+            LOGGER.info(f'Transferred {len(state)}/{len(model.state_dict())} items from {opt.weights}')
+        frozen = [f'model.{x}.' for x in (opt.freeze if len(opt.freeze) > 1 else range(opt.freeze[0]))]
+        for name, parameter in model.named_parameters():
+            if any(prefix in name for prefix in frozen):
+                LOGGER.info(f'freezing {name}')
+                parameter.requires_grad = False
+        self.model = self.raw_model = model
+
+    def resolve_batch_size(self):
+        if self.opt.batch_size != -1:
+            return self.opt.batch_size
+        batch = check_train_batch_size(self.model, self.imgsz, self.amp)  # one process only (checked in cli)
+        self.callbacks.run('on_params_update', {'batch_size': batch})
+        return batch
+
+    def build_optimizer(self):
+        opt, hyp = self.opt, self.hyp
+        self.accumulate = max(round(NOMINAL_BATCH / self.batch_size), 1)
+        hyp['weight_decay'] *= self.batch_size * self.accumulate / NOMINAL_BATCH
+        self.optimizer = smart_optimizer(self.model, opt.optimizer, hyp['lr0'], hyp['momentum'], hyp['weight_decay'])
+        epochs = opt.epochs
+        if opt.cos_lr:
+            self.lf = one_cycle(1, hyp['lrf'], epochs)
+        elif opt.flat_cos_lr:
+            self.lf = one_flat_cycle(1, hyp['lrf'], epochs)
+        elif opt.fixed_lr:
+            self.lf = lambda x: 1.0
+        else:
+            self.lf = lambda x: (1 - x / epochs) * (1.0 - hyp['lrf']) + hyp['lrf']
+        self.scheduler = lr_scheduler.LambdaLR(self.optimizer, lr_lambda=self.lf)
+
+    def restore(self, ckpt):
+        """Continue a run: optimizer, EMA with its update count, grad scaler, epoch and best fitness."""
+        self.optimizer.load_state_dict(ckpt['optimizer'])
+        self.ema.ema.load_state_dict(ckpt['ema'].float().state_dict())
+        self.ema.updates = ckpt['updates']
+        if ckpt.get('scaler'):
+            self.scaler.load_state_dict(ckpt['scaler'])
+        self.best_fitness = ckpt.get('best_fitness') or 0.0
+        self.start_epoch = ckpt['epoch'] + 1  # all epochs done (killed while finishing): fit() only finishes
+        LOGGER.info(f'Resuming training from {self.opt.weights} at epoch {self.start_epoch} of {self.opt.epochs}')
+
+    def build_loaders(self, gs):
+        opt, per_rank = self.opt, self.batch_size // self.world
+        pin = self.device.type == 'cuda'
+        self.train_loader, self.dataset = data.train_loader(self.data_dict['train'], self.imgsz, per_rank, gs, opt,
+                                                            self.hyp, pin, colorstr('train: '))
+        labels = np.concatenate(self.dataset.labels, 0)
+        max_class = int(labels[:, 0].max()) if len(labels) else -1
+        if max_class >= self.nc:
+            raise cli.UsageError(f'label class {max_class} exceeds nc={self.nc} in {opt.data}; '
+                                 f'possible class labels are 0-{self.nc - 1}')
+        self.val_loader = data.val_loader(self.data_dict['val'], self.imgsz, per_rank * 2, gs, opt, pin,
+                                          colorstr('val: '))
+        if not opt.resume:
+            self.model.half().float()  # pre-reduce anchor precision, as train_dual.py
+        if self.primary:
+            self.callbacks.run('on_pretrain_routine_end', labels, self.names)
+
+    def wrap_model(self):
+        model, opt = self.raw_model, self.opt
+        model.nc, model.hyp, model.names = self.nc, self.hyp, self.names
+        model.class_weights = labels_to_class_weights(self.dataset.labels, self.nc).to(self.device) * self.nc
+        if self.world == 1:
+            return
+        if opt.sync_bn and self.device.type == 'cuda':
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model).to(self.device)
+            LOGGER.info('Using SyncBatchNorm()')
+        device_ids = [self.device.index] if self.device.type == 'cuda' else None
+        self.model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
+                                             **rank_local_buffers())
+
+    # training ---------------------------------------------------------------------------------------------------
+
+    def fit(self):
+        opt = self.opt
+        self.nb = len(self.train_loader)
+        self.warmup_iters = max(round(self.hyp['warmup_epochs'] * self.nb), 100)
+        self.last_opt_step = -1
+        self.maps = np.zeros(self.nc)
+        self.scheduler.last_epoch = self.start_epoch - 1
+        self.stopper = EarlyStopping(patience=opt.patience)
+        self.callbacks.run('on_train_start')
+        LOGGER.info(f'Image sizes {self.imgsz} train, {self.imgsz} val\n'
+                    f'{self.world} process(es), batch {self.batch_size} ({self.batch_size // self.world} per process), '
+                    f'{self.train_loader.num_workers} dataloader workers per process\n'
+                    f"Logging results to {colorstr('bold', self.save_dir)}\n"
+                    f'Starting training for {opt.epochs} epochs...')
+        t0 = time.time()
+        epoch = self.start_epoch - 1
+        for epoch in range(self.start_epoch, opt.epochs):
+            self.callbacks.run('on_train_epoch_start')
+            mloss = self.train_epoch(epoch)
+            lr = [x['lr'] for x in self.optimizer.param_groups]
+            self.scheduler.step()
+            stop = self.end_epoch(epoch, mloss, lr)
+            if stop:
+                break
+        LOGGER.info(f'\n{epoch - self.start_epoch + 1} epochs completed in {(time.time() - t0) / 3600:.3f} hours.')
+        self.finish(epoch)
+
+    def train_epoch(self, epoch):
+        opt, dataset = self.opt, self.dataset
+        self.model.train()
+        if opt.image_weights:  # one process only (checked in cli)
+            class_weights = self.raw_model.class_weights.cpu().numpy() * (1 - self.maps) ** 2 / self.nc
+            weights = labels_to_image_weights(dataset.labels, nc=self.nc, class_weights=class_weights)
+            dataset.indices = random.choices(range(dataset.n), weights=weights, k=dataset.n)
+        if epoch == opt.epochs - opt.close_mosaic:
+            LOGGER.info('Closing dataloader mosaic')
+            dataset.mosaic = False
+        data.set_epoch(self.train_loader, epoch)
+        mloss = torch.zeros(3, device=self.device)
+        LOGGER.info(('\n' + '%11s' * 7) % ('Epoch', 'GPU_mem', 'box_loss', 'cls_loss', 'dfl_loss', 'Instances', 'Size'))
+        pbar = tqdm(enumerate(self.train_loader), total=self.nb, bar_format=TQDM_BAR_FORMAT, disable=not self.primary)
+        self.optimizer.zero_grad()
+        for i, (imgs, targets, paths, _) in pbar:
+            self.callbacks.run('on_train_batch_start')
+            ni = i + self.nb * epoch
+            imgs = imgs.to(self.device, non_blocking=True).float() / 255
+            loss_items = self.train_step(ni, epoch, imgs, targets)
+            mloss = (mloss * i + loss_items) / (i + 1)
+            if self.primary:
+                mem = f'{torch.cuda.memory_reserved() / 1E9 if torch.cuda.is_available() else 0:.3g}G'
+                pbar.set_description(('%11s' * 2 + '%11.4g' * 5) %
+                                     (f'{epoch}/{opt.epochs - 1}', mem, *mloss, targets.shape[0], imgs.shape[-1]))
+                self.callbacks.run('on_train_batch_end', self.raw_model, ni, imgs, targets, paths, list(mloss))
+        return mloss
+
+    def warmup(self, ni, epoch):
+        """Upstream's warmup: accumulation, learning rates and momentum ramp up over the first iterations."""
+        x = [0, self.warmup_iters]
+        self.accumulate = max(1, np.interp(ni, x, [1, NOMINAL_BATCH / self.batch_size]).round())
+        for j, group in enumerate(self.optimizer.param_groups):
+            start = self.hyp['warmup_bias_lr'] if j == 0 else 0.0
+            group['lr'] = np.interp(ni, x, [start, group['initial_lr'] * self.lf(epoch)])
+            if 'momentum' in group:
+                group['momentum'] = np.interp(ni, x, [self.hyp['warmup_momentum'], self.hyp['momentum']])
+
+    def train_step(self, ni, epoch, imgs, targets):
+        """Forward, backward and (every `accumulate` images) an optimizer step; returns the loss items."""
+        opt = self.opt
+        if ni <= self.warmup_iters:
+            self.warmup(ni, epoch)
+        if opt.multi_scale:
+            imgs = self.rescale(imgs)
+        steps = ni - self.last_opt_step >= self.accumulate
+        # micro-steps that do not step skip DDP's gradient all-reduce; the stepping one reduces the sum
+        sync = nullcontext() if steps or self.world == 1 else self.model.no_sync()
+        with sync:
+            with torch.amp.autocast('cuda', enabled=self.amp):
+                pred = self.model(imgs)
+                loss, loss_items = self.compute_loss(pred, targets.to(self.device))
+                loss *= self.world  # DDP averages gradients over ranks; upstream's loss is a sum over the batch
+                if opt.quad:
+                    loss *= 4.
+            self.scaler.scale(loss).backward()
+        if steps:
+            self.optimizer_step()
+            self.last_opt_step = ni
+        return loss_items
+
+    def optimizer_step(self):
+        self.scaler.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=10.0)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad()
+        self.ema.update(self.model)
+
+    def rescale(self, imgs):
+        gs = max(int(self.raw_model.stride.max()), 32)
+        size = random.randrange(int(self.imgsz * 0.5), int(self.imgsz * 1.5) + gs) // gs * gs
+        factor = size / max(imgs.shape[2:])
+        if factor == 1:
+            return imgs
+        shape = [math.ceil(x * factor / gs) * gs for x in imgs.shape[2:]]
+        return nn.functional.interpolate(imgs, size=shape, mode='bilinear', align_corners=False)
+
+    def end_epoch(self, epoch, mloss, lr):
+        """Synchronise the EMA, validate, track the best fitness, save; returns whether to stop early."""
+        opt = self.opt
+        self.callbacks.run('on_train_epoch_end', epoch=epoch)
+        synchronize_ema(self.ema, self.raw_model)
+        self.ema.update_attr(self.raw_model, include=['yaml', 'nc', 'hyp', 'names', 'stride', 'class_weights'])
+        final_epoch = epoch + 1 == opt.epochs or self.stopper.possible_stop
+        if not opt.noval or final_epoch:
+            self.results, self.maps, _ = self.validate(self.ema.ema, plots=False)
+        fi = fitness(np.array(self.results).reshape(1, -1))
+        stop = self.stopper(epoch=epoch, fitness=fi)  # the same results on every rank: the same decision
+        if fi > self.best_fitness:
+            self.best_fitness = fi
+        self.callbacks.run('on_fit_epoch_end', list(mloss) + list(self.results) + lr, epoch, self.best_fitness, fi)
+        if self.primary and (not opt.nosave or final_epoch):
+            self.save(epoch, fi, final_epoch)
+        return stop
+
+    def validate(self, model, plots, compute_loss=True):
+        """Every rank validates its shard; val_dual gathers the statistics, so all ranks get the same metrics."""
+        return val_dual.run(self.data_dict, batch_size=self.batch_size // self.world * 2, imgsz=self.imgsz,
+                            half=self.amp, model=model, single_cls=self.opt.single_cls, dataloader=self.val_loader,
+                            save_dir=self.save_dir, plots=plots and self.primary, verbose=plots,
+                            callbacks=self.callbacks, compute_loss=self.compute_loss if compute_loss else None,
+                            distributed=self.world > 1)
+
+    def save(self, epoch, fi, final_epoch):
+        """Rank 0: everything a resume needs, written atomically (yolov9_ddp.checkpoint.save_atomic)."""
+        ckpt = {
+            'epoch': epoch,
+            'best_fitness': self.best_fitness,
+            'model': deepcopy(self.raw_model),
+            'ema': deepcopy(self.ema.ema),
+            'updates': self.ema.updates,
+            'optimizer': self.optimizer.state_dict(),
+            'scaler': self.scaler.state_dict(),
+            'opt': {k: v for k, v in vars(self.opt).items() if k != 'save_dir'},
+            'git': None,
+            'date': datetime.now().isoformat(),
+            'format': checkpoint.FORMAT}
+        checkpoint.save_atomic(ckpt, self.last)
+        if self.best_fitness == fi:
+            checkpoint.save_atomic(ckpt, self.best)
+        if self.opt.save_period > 0 and epoch % self.opt.save_period == 0:
+            checkpoint.save_atomic(ckpt, self.weights_dir / f'epoch{epoch}.pt')
+        self.callbacks.run('on_model_save', self.last, epoch, final_epoch, self.best_fitness, fi)
+
+    def finish(self, epoch):
+        """Strip the checkpoints (rank 0), validate best.pt on all ranks with plots, report the mAP."""
+        if self.primary:
+            runs.write_record(self.save_dir, finished=True)
+            for f in (self.last, self.best):
+                if f.exists():
+                    strip_optimizer(f)
+        if comm.broadcast_object(self.best.exists()):
+            best = load_everywhere(self.best, require_resume_state=False)
+            model = best['model'].to(self.device).float().fuse().eval()
+            LOGGER.info(f'\nValidating {self.best}...')
+            self.results, _, _ = self.validate(model.half() if self.amp else model, plots=not self.opt.noplots)
+        self.callbacks.run('on_train_end', self.last, self.best, epoch, self.results)
+        mp, mr, map50, map50_95 = self.results[:4]
+        LOGGER.info(f'{colorstr("bold", "Final:")} P {mp:.4f}  R {mr:.4f}  mAP50 {map50:.4f}  mAP50-95 {map50_95:.4f}'
+                    f'  ({self.best})')
+
+
+# -- entry point ---------------------------------------------------------------------------------------------------
+
+def train(opt, device):
+    configure_logging()
+    if comm.is_primary():
+        print_args(vars(opt))
+    opt.data = resolve_data(opt)
+    plan = plan_and_create_run(opt)
+    LOGGER.info(plan.reason)
+    if plan.finished:
+        return
+    if plan.resume_from is not None:
+        restore_resumed_options(opt, plan)
+    else:
+        resolve_model_files(opt)
+    opt.save_dir = str(plan.save_dir)
+    trainer = Trainer(opt, device, plan)
+    trainer.setup()
+    trainer.fit()
+
+
+def report(error: BaseException):
+    """One line per failure: from the rank that saw it (rank 0 for errors every rank sees the same way)."""
+    rank = comm.get_rank() if comm.is_distributed() else int(os.environ.get('RANK', 0))
+    if isinstance(error, comm.PeerFailed) or (isinstance(error, cli.UsageError) and rank != 0):
+        return
+    where = f' [rank {rank}]' if comm.launched_world_size() > 1 else ''
+    print(f'ddp_train_dual.py: error{where}: {error}', file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    opt = cli.parse_args(argv, ROOT)
+    try:
+        cli.check_options(opt, comm.launched_world_size())
+        device = comm.select_device(opt.device)
+        with comm.process_group(device, opt.ddp_timeout):
+            train(opt, device)
+    except cli.UsageError as e:
+        report(e)
+        return EXIT_USAGE
+    except KIT_ERRORS as e:
+        report(e)
+        return EXIT_FAILED
+    except dist.DistError as e:
+        report(RuntimeError(f'a collective operation failed or timed out ({str(e).splitlines()[0][:200]}); '
+                            f'a rank may have died or stalled; the limit is --ddp-timeout {opt.ddp_timeout:g} s'))
+        return EXIT_FAILED
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Checkpoints: written whole or not at all, and read back with a clear error when they are not usable.
+
+A checkpoint is written to a temporary file beside its destination, flushed to disk, then moved
+into place with os.replace (as timm's CheckpointSaver): a crash at any moment leaves either the
+previous file or the new one, never a truncated one. The format is upstream's (the model objects
+are pickled, so upstream's val_dual.py, detect_dual.py and attempt_load() read our files), plus
+what an exact resume needs: the grad scaler and the kit's format version.
+"""
+import os
+import pickle
+import zipfile
+from pathlib import Path
+
+import torch
+
+FORMAT = 'yolov9-ddp/1'
+RESUME_KEYS = ('epoch', 'model', 'ema', 'updates', 'optimizer', 'opt')
+
+
+class CheckpointError(Exception):
+    """A checkpoint file that cannot be used; the message names the file and the reason."""
+
+
+def save_atomic(obj, path: Path):
+    path = Path(path)
+    tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
+    try:
+        with open(tmp, 'wb') as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder: Path):
+    # the rename itself is only durable once the folder entry is on disk
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temporaries(folder: Path):
+    """Temporary files of writers that were killed before their os.replace."""
+    for tmp in Path(folder).glob('.*.tmp'):
+        tmp.unlink(missing_ok=True)
+
+
+def load_checkpoint(path: Path, require_resume_state=False) -> dict:
+    """torch.load of a run's own checkpoint (a trusted pickle), with the failure modes named."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f'{path}: no such checkpoint')
+    try:
+        ckpt = torch.load(path, map_location='cpu', weights_only=False)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError) as e:
+        raise CheckpointError(f'{path} is truncated or corrupt ({type(e).__name__}: {str(e)[:120]})') from e
+    if not isinstance(ckpt, dict) or 'model' not in ckpt:
+        raise CheckpointError(f'{path} is not a YOLOv9 checkpoint (no model in it)')
+    if require_resume_state:
+        missing = [k for k in RESUME_KEYS if ckpt.get(k) is None]
+        if missing or ckpt.get('epoch', -1) < 0:
+            raise CheckpointError(f'{path} cannot be resumed: it lacks {", ".join(missing) or "a training epoch"} '
+                                  f'(a stripped final checkpoint?)')
+    return ckpt

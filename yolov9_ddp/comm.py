@@ -1,0 +1,171 @@
+"""Process-group life cycle and rank helpers that also work in a single process.
+
+In the spirit of detectron2's utils/comm.py: get_rank() is 0 and barrier() does nothing when no
+process group exists, so the training loop is written once for one process and for many.
+Ranks come from torchrun's environment: RANK is global (across nodes), LOCAL_RANK picks the GPU.
+"""
+import contextlib
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 3 * 60 * 60  # generous: a first epoch that builds caches may keep ranks apart for long
+
+
+class LaunchError(Exception):
+    """The launch configuration cannot work (devices, world size, arguments); message says why."""
+
+
+class PeerFailed(Exception):
+    """Another rank failed in a step all ranks take together; that rank reports the cause."""
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def get_local_rank() -> int:
+    return int(os.environ.get('LOCAL_RANK', 0))
+
+
+def get_local_world_size() -> int:
+    return int(os.environ.get('LOCAL_WORLD_SIZE', 1))
+
+
+def is_primary() -> bool:
+    return get_rank() == 0
+
+
+def launched_world_size() -> int:
+    """WORLD_SIZE as set by the launcher, before any process group exists."""
+    return int(os.environ.get('WORLD_SIZE', 1))
+
+
+def barrier():
+    if is_distributed():
+        dist.barrier()
+
+
+def broadcast_object(obj, src=0):
+    """obj from rank src on every rank (the object itself in a single process)."""
+    if not is_distributed():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def all_gather_object(obj) -> list:
+    if not is_distributed():
+        return [obj]
+    gathered = [None] * get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def average_tensors_(tensors):
+    """Replace each tensor by its mean over all ranks, in one all_reduce; the result is the same bits everywhere."""
+    tensors = list(tensors)
+    if not is_distributed() or not tensors:
+        return
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)  # gloo has no ReduceOp.AVG
+    flat /= get_world_size()
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when flag is True on at least one (used to stop all ranks together)."""
+    if not is_distributed():
+        return flag
+    value = torch.tensor([int(flag)], device=collective_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def raise_if_any_failed(error: BaseException = None):
+    """After a step every rank takes: re-raise this rank's error, or stop because another rank failed.
+
+    Every rank must call it, failed or not, so that none is left waiting in a later collective.
+    """
+    if any_rank(error is not None):
+        if error is not None:
+            raise error
+        raise PeerFailed('stopping: another rank failed (its error message says why)')
+
+
+def run_staged(build):
+    """build() on global rank 0, then on each node's local rank 0, then on the other ranks; its result.
+
+    After each stage all ranks learn whether anyone failed, so a failure stops every rank at once,
+    and later stages do not repeat work (a download, a cache) that just failed.
+    """
+    rank, local_rank = get_rank(), get_local_rank()
+    stage = 0 if rank == 0 else 1 if local_rank == 0 else 2
+    result, error = None, None
+    for turn in range(3):
+        if turn == stage:
+            try:
+                result = build()
+            except Exception as e:  # raised below, on every rank together
+                error = e
+        raise_if_any_failed(error)
+    return result
+
+
+def collective_device() -> torch.device:
+    return torch.device('cuda', torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
+
+
+def select_device(device_arg: str) -> torch.device:
+    """The device of this process: --device as in upstream ('', 'cpu', '0', '0,1'), LOCAL_RANK picks the GPU."""
+    choice = str(device_arg).strip().lower().replace('cuda:', '').replace('none', '')
+    local_rank, local_world = get_local_rank(), get_local_world_size()
+    if choice == 'cpu':
+        return torch.device('cpu')
+    if choice:
+        # like upstream: the ids name the visible GPUs; must be set before CUDA initialises
+        os.environ['CUDA_VISIBLE_DEVICES'] = choice
+        if not torch.cuda.is_available():
+            raise LaunchError(f'--device {device_arg} asks for CUDA, but no CUDA device is available here; '
+                              f'use --device cpu')
+    elif not torch.cuda.is_available():
+        return torch.device('cpu')
+    count = torch.cuda.device_count()
+    if local_world > count:
+        raise LaunchError(f'{local_world} processes on this node but only {count} CUDA device(s) visible; '
+                          f'use --nproc_per_node {count} or fewer')
+    return torch.device('cuda', local_rank)
+
+
+@contextlib.contextmanager
+def process_group(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """Initialise the default process group under a launcher (NCCL on CUDA, gloo on CPU); always destroy it.
+
+    Without a launcher (WORLD_SIZE unset or 1) nothing is initialised and the helpers above act as one process.
+    """
+    if launched_world_size() <= 1:
+        yield
+        return
+    if device.type == 'cuda':
+        torch.cuda.set_device(device)
+    backend = 'nccl' if device.type == 'cuda' else 'gloo'
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if device.type == 'cuda' else None)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,78 @@
+"""Datasets and loaders for training and distributed validation, built on upstream's LoadImagesAndLabels.
+
+Dataset construction writes the label cache, so it runs staged (comm.run_staged): global rank 0
+first (it writes the cache once for a shared folder), then the first process of every other node
+(it writes one where the folder is node-local), then everyone else (they read the cache).
+"""
+import os
+
+import torch
+from torch.utils.data import DataLoader
+
+from utils.dataloaders import LoadImagesAndLabels, seed_worker
+from yolov9_ddp import comm
+from yolov9_ddp.samplers import ShardBatchSampler, training_sampler
+
+WORKER_SEED_BASE = 6148914691236517205  # upstream's generator seed base; + rank, so ranks augment differently
+
+
+class DataError(Exception):
+    """The dataset cannot be loaded (no images, no labels, unreadable files); the message names it."""
+
+
+def loader_workers(requested: int, batch_size: int) -> int:
+    """Workers per process: the request, capped by this node's CPUs shared among its processes."""
+    per_process = max(1, (os.cpu_count() or 1) // comm.get_local_world_size())
+    return min(requested, per_process, batch_size if batch_size > 1 else 0)
+
+
+def build_dataset(path, imgsz, batch_size, stride, opt, hyp, augment, rect, cache, pad, prefix):
+    def build():
+        try:
+            return LoadImagesAndLabels(path, imgsz, batch_size, augment=augment, hyp=hyp, rect=rect,
+                                       image_weights=opt.image_weights and augment, cache_images=cache,
+                                       single_cls=opt.single_cls, stride=int(stride), pad=pad,
+                                       min_items=opt.min_items, prefix=prefix)
+        except Exception as e:  # upstream raises bare Exception/AssertionError for missing images or labels
+            raise DataError(str(e).replace(prefix, '').split('\nSee ')[0]) from e
+    return comm.run_staged(build)
+
+
+def set_epoch(loader, epoch):
+    """Reshuffle the training sampler for this epoch (a no-op for rank shards)."""
+    sampler = loader.batch_sampler if isinstance(loader.batch_sampler, ShardBatchSampler) else loader.sampler
+    sampler.set_epoch(epoch)
+
+
+def make_loader(dataset, batch_size, workers, pin_memory, collate_fn, sampler=None, batch_sampler=None):
+    rank = comm.get_rank()
+    generator = torch.Generator()
+    generator.manual_seed(WORKER_SEED_BASE + rank)
+    batching = {'batch_sampler': batch_sampler} if batch_sampler is not None else \
+        {'batch_size': batch_size, 'sampler': sampler, 'drop_last': False}
+    # persistent workers keep their state across epochs (what upstream's InfiniteDataLoader is for) and,
+    # unlike it, see set_epoch() before the next epoch's indices are drawn
+    return DataLoader(dataset, num_workers=workers, pin_memory=pin_memory, collate_fn=collate_fn,
+                      worker_init_fn=seed_worker, generator=generator, persistent_workers=workers > 0,
+                      prefetch_factor=4 if workers > 0 else None, **batching)
+
+
+def train_loader(path, imgsz, batch_per_rank, stride, opt, hyp, pin_memory, prefix):
+    dataset = build_dataset(path, imgsz, batch_per_rank, stride, opt, hyp, augment=True, rect=opt.rect,
+                            cache=None if opt.cache == 'val' else opt.cache, pad=0.0, prefix=prefix)
+    rank, world = comm.get_rank(), comm.get_world_size()
+    collate = LoadImagesAndLabels.collate_fn4 if opt.quad else LoadImagesAndLabels.collate_fn
+    workers = loader_workers(opt.workers, batch_per_rank)
+    if opt.rect:  # rectangular batches keep their shapes only if no rank mixes images of two batches
+        shards = ShardBatchSampler(len(dataset), batch_per_rank, rank, world)
+        return make_loader(dataset, None, workers, pin_memory, collate, batch_sampler=shards), dataset
+    sampler = training_sampler(dataset, rank, world, opt.seed)
+    return make_loader(dataset, batch_per_rank, workers, pin_memory, collate, sampler=sampler), dataset
+
+
+def val_loader(path, imgsz, batch_per_rank, stride, opt, pin_memory, prefix):
+    dataset = build_dataset(path, imgsz, batch_per_rank, stride, opt, hyp=None, augment=False, rect=True,
+                            cache=None if opt.noval else opt.cache, pad=0.5, prefix=prefix)
+    shards = ShardBatchSampler(len(dataset), batch_per_rank, comm.get_rank(), comm.get_world_size())
+    workers = loader_workers(opt.workers * 2, batch_per_rank)
+    return make_loader(dataset, None, workers, pin_memory, LoadImagesAndLabels.collate_fn, batch_sampler=shards)

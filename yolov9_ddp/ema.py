@@ -1,0 +1,34 @@
+"""EMA on every rank, kept identical with all_reduce.
+
+Every rank runs upstream's ModelEMA: DDP keeps the parameters equal, so the parameter averages
+stay equal too. BatchNorm running statistics are another matter: DDP is built with
+broadcast_buffers=False, so each rank's statistics follow its own images. Once per epoch, before
+validation and saving, the running statistics of the model and the whole floating-point state of
+the EMA are averaged over the ranks (as YOLOX's all_reduce_norm): afterwards the statistics
+reflect every rank's data and the EMA state is the same bits on every rank.
+"""
+import torch.nn as nn
+
+from yolov9_ddp.comm import average_tensors_
+
+NORM_LAYERS = (nn.modules.batchnorm._NormBase,)
+
+
+def norm_statistics(model: nn.Module):
+    """The floating-point running statistics of every normalisation layer."""
+    for module in model.modules():
+        if isinstance(module, NORM_LAYERS):
+            for buffer in (module.running_mean, module.running_var):
+                if buffer is not None:
+                    yield buffer
+
+
+def floating_state(model: nn.Module):
+    """Every floating-point tensor of the state dict (parameters and buffers)."""
+    return [t for t in model.state_dict().values() if t.dtype.is_floating_point]
+
+
+def synchronize_ema(ema, model: nn.Module):
+    """Average the model's normalisation statistics and the EMA's floating state over all ranks."""
+    average_tensors_(norm_statistics(model))
+    average_tensors_(floating_state(ema.ema))

@@ -1,0 +1,100 @@
+"""The run folder: which one a run writes to, and where it resumes from.
+
+Only global rank 0 decides (and creates the folder); the decision is broadcast to the other ranks.
+
+  --resume [last.pt]   continue that run (default: the newest last.pt under the current folder, as upstream)
+  --auto-resume        continue PROJECT/NAME if it holds an unfinished run, else start it there
+  torchrun restart     when torchrun restarts the workers after a failure (--max-restarts), the same
+                       command runs again; the folder recorded for this torchrun job is found through
+                       run.json and the run continues from its last checkpoint instead of starting over
+  otherwise            a new PROJECT/NAME{,2,3,...} folder, as upstream's increment_path
+
+run.json in the folder records the launcher's job id and whether training finished.
+"""
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from yolov9_ddp.checkpoint import CheckpointError, fsync_dir
+
+RUN_RECORD = 'run.json'
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    save_dir: Path
+    resume_from: Path = None  # a last.pt to continue from, or None for a fresh start
+    finished: bool = False  # the folder's training already completed (a restart after the very end)
+    reason: str = 'new run'
+
+
+def launcher_job_id():
+    """An id that stays the same when torchrun restarts its workers, or None outside torchrun."""
+    run_id = os.environ.get('TORCHELASTIC_RUN_ID')
+    if run_id is None:
+        return None
+    if run_id != 'none':  # --rdzv-id given (multi-node launches always give one)
+        return run_id
+    # Single-node torchrun leaves the id at 'none'; its log folder is unique to this torchrun invocation.
+    error_file = os.environ.get('TORCHELASTIC_ERROR_FILE', '')
+    return error_file.split('/attempt_')[0] or None
+
+
+def restart_count() -> int:
+    return int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0))
+
+
+def read_record(folder: Path) -> dict:
+    try:
+        return json.loads((Path(folder) / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_record(folder: Path, **fields):
+    record = {**read_record(folder), **fields}
+    tmp = Path(folder) / f'.{RUN_RECORD}.tmp'
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + '\n')
+    os.replace(tmp, Path(folder) / RUN_RECORD)
+    fsync_dir(Path(folder))
+
+
+def find_job_folder(project: Path, job_id: str):
+    """The newest folder under project whose run.json names this launcher job."""
+    matches = [p.parent for p in Path(project).glob(f'*/{RUN_RECORD}') if read_record(p.parent).get('job') == job_id]
+    return max(matches, key=lambda p: (p / RUN_RECORD).stat().st_mtime) if matches else None
+
+
+def continue_in(folder: Path, reason: str) -> RunPlan:
+    record = read_record(folder)
+    last = folder / 'weights' / 'last.pt'
+    if record.get('finished'):
+        return RunPlan(folder, None, True, f'{reason}: training in {folder} already finished')
+    return RunPlan(folder, last if last.is_file() else None, False, reason)
+
+
+def plan_run(opt, latest_run, increment_path) -> RunPlan:
+    """Decide the run folder (rank 0). latest_run and increment_path are upstream's helpers."""
+    if opt.resume:
+        last = Path(opt.resume if isinstance(opt.resume, str) else latest_run())
+        if not last.is_file():
+            raise CheckpointError(f'--resume: {opt.resume if isinstance(opt.resume, str) else "no last.pt found"}'
+                                  f' is not a checkpoint file; give --resume path/to/weights/last.pt')
+        return RunPlan(last.parent.parent, last, False, f'resuming from {last}')
+    job = launcher_job_id()
+    if restart_count() > 0 and job:
+        folder = find_job_folder(Path(opt.project), job)
+        if folder is not None:
+            return continue_in(folder, f'torchrun restart {restart_count()}: continuing {folder}')
+    if opt.auto_resume:
+        folder = Path(opt.project) / opt.name
+        if (folder / RUN_RECORD).is_file():
+            return continue_in(folder, f'--auto-resume: continuing {folder}')
+        return RunPlan(folder, None, False, f'--auto-resume: new run in {folder}')
+    return RunPlan(Path(increment_path(Path(opt.project) / opt.name, exist_ok=opt.exist_ok)))
+
+
+def start_record(plan: RunPlan):
+    (plan.save_dir / 'weights').mkdir(parents=True, exist_ok=True)
+    write_record(plan.save_dir, job=launcher_job_id(), finished=False)
