@@ -184,6 +184,7 @@ class Trainer:
             self.restore(ckpt)
         del ckpt
         self.compute_loss = ComputeLoss(self.raw_model)
+        self.init_loop_state()
 
     def check_data(self):
         try:
@@ -281,14 +282,16 @@ class Trainer:
 
     # training ---------------------------------------------------------------------------------------------------
 
-    def fit(self):
-        opt = self.opt
+    def init_loop_state(self):
         self.nb = len(self.train_loader)
         self.warmup_iters = max(round(self.hyp['warmup_epochs'] * self.nb), 100)
         self.last_opt_step = -1
         self.maps = np.zeros(self.nc)
         self.scheduler.last_epoch = self.start_epoch - 1
-        self.stopper = EarlyStopping(patience=opt.patience)
+        self.stopper = EarlyStopping(patience=self.opt.patience)
+
+    def fit(self):
+        opt = self.opt
         self.callbacks.run('on_train_start')
         LOGGER.info(f'Image sizes {self.imgsz} train, {self.imgsz} val\n'
                     f'{self.world} process(es), batch {self.batch_size} ({self.batch_size // self.world} per process), '
@@ -453,7 +456,8 @@ class Trainer:
 
 # -- entry point ---------------------------------------------------------------------------------------------------
 
-def train(opt, device):
+def prepare_trainer(opt, device):
+    """Everything before the first epoch, inside the process group: a set-up Trainer, or None if done already."""
     configure_logging()
     if comm.is_primary():
         print_args(vars(opt))
@@ -461,7 +465,7 @@ def train(opt, device):
     plan = plan_and_create_run(opt)
     LOGGER.info(plan.reason)
     if plan.finished:
-        return
+        return None
     if plan.resume_from is not None:
         restore_resumed_options(opt, plan)
     else:
@@ -469,7 +473,13 @@ def train(opt, device):
     opt.save_dir = str(plan.save_dir)
     trainer = Trainer(opt, device, plan)
     trainer.setup()
-    trainer.fit()
+    return trainer
+
+
+def train(opt, device):
+    trainer = prepare_trainer(opt, device)
+    if trainer is not None:
+        trainer.fit()
 
 
 def report(error: BaseException):
