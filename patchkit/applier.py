@@ -112,11 +112,14 @@ class Applier:
             if state.kind == 'applied' and not installs:
                 report['action'] = 'nothing to do: already applied'
                 return report, EXIT_OK
+            if state.kind == 'pristine':
+                self.check_series_applies()  # on a scratch copy first: a damaged patch is named, the tree untouched
             changed = ([f.path for f in state.files] if state.kind == 'pristine' else []) + list(installs)
             with journaled(self.target, changed + [STATE_FILE]):
-                if state.kind == 'pristine' and not git_apply(self.target, [p.path for p in self.patches]).ok:
-                    self.check_series_applies()  # names the patch that fails
-                    raise TreeError('git apply failed', 'report this as a bug')
+                if state.kind == 'pristine':
+                    result = git_apply(self.target, [p.path for p in self.patches])
+                    if not result.ok:
+                        raise TreeError(f'git apply failed: {result.first_error}', 'report this as a bug')
                 for relative, data in installs.items():
                     write_bytes_atomic(self.target / relative, data)
                 self.write_state()

@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,16 +73,26 @@ def read_state(target: Path) -> dict:
                         'restore the file or remove it after checking the tree by hand') from e
 
 
-def write_bytes_atomic(path: Path, data: bytes):
+def write_bytes_atomic(path: Path, data: bytes, mode: int = None):
+    """Replace path with data in one rename; the file keeps its mode (a new one gets `mode` or the umask's)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if mode is None:
+        mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o666 & ~current_umask()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.', suffix='.tmp')
     try:
         with os.fdopen(fd, 'wb') as f:
             f.write(data)
+        os.chmod(tmp, mode)  # mkstemp creates 0600 files
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def remove_file(target: Path, relative: str):
@@ -99,10 +110,10 @@ def journaled(target: Path, paths):
     """Run the body as one all-or-nothing change of `paths` (relative to target)."""
     journal = target / JOURNAL_DIR
     journal.mkdir()
-    originals = {}
+    originals = {}  # path -> file mode, or None for a file that did not exist
     for relative in sorted(set(paths)):
         source = target / relative
-        originals[relative] = source.is_file()
+        originals[relative] = stat.S_IMODE(source.stat().st_mode) if source.is_file() else None
         if source.is_file():
             copy = journal / 'files' / relative
             copy.parent.mkdir(parents=True, exist_ok=True)
@@ -124,9 +135,9 @@ def restore_from_journal(target: Path) -> list:
     restored = []
     manifest = journal / MANIFEST
     if manifest.is_file():  # without a manifest the change had not started: nothing to undo
-        for relative, existed in json.loads(manifest.read_text()).items():
-            if existed:
-                write_bytes_atomic(target / relative, (journal / 'files' / relative).read_bytes())
+        for relative, mode in json.loads(manifest.read_text()).items():
+            if mode is not None:
+                write_bytes_atomic(target / relative, (journal / 'files' / relative).read_bytes(), mode)
             else:
                 remove_file(target, relative)
             restored.append(relative)
