@@ -1,0 +1,387 @@
+"""The patched upstream on today's stack: torch 2.14, numpy 2.x, setuptools >= 81 (no pkg_resources),
+Pillow >= 10, no IPython, no network.
+
+First, upstream's own train_dual.py trains the kit's tiny model end to end in the patched tree. Then
+one focused probe per fix: the same few lines run in a tree that lacks the fix (the pristine tree, or
+the series minus that one patch where the pristine tree would fail earlier for another reason) and in
+the patched tree, and must fail in the first and work in the second.
+"""
+import csv
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import PATCHES, SERIES, TINY_CFG, copy_tree, describe, run_python
+from patchkit.gitapply import git_apply
+from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
+
+TRAIN_TIMEOUT_S = 600
+BLOCKED = 'network blocked by the yolov9-ddp tests'
+
+
+@pytest.fixture(scope='module')
+def tree_without(pinned_upstream, tmp_path_factory):
+    """tree_without(n): a copy of the pin with every patch of the series applied except patch n."""
+    built = {}
+
+    def build(number: int) -> Path:
+        if number not in built:
+            skipped = next(name for name in SERIES if name.startswith(f'{number:04d}-'))
+            tree = copy_tree(pinned_upstream, tmp_path_factory.mktemp(f'without-{number:04d}') / 'yolov9')
+            result = git_apply(tree, [PATCHES / name for name in SERIES if name != skipped])
+            assert result.ok, f'the series without {skipped} does not apply: {result.output}'
+            built[number] = tree
+        return built[number]
+
+    return build
+
+
+def probe(tree: Path, code: str, env: dict, args=()) -> subprocess.CompletedProcess:
+    return run_python(textwrap.dedent(code), tree, env, args=args)
+
+
+def assert_fails(result, *fragments):
+    assert result.returncode != 0, f'expected the probe to fail:\n{describe(result)}'
+    for fragment in fragments:
+        assert fragment in result.stderr, f'{fragment!r} not in the error:\n{describe(result)}'
+
+
+def assert_works(result, expected_last_line='ok'):
+    assert result.returncode == 0, describe(result)
+    assert result.stdout.strip().splitlines()[-1] == expected_last_line, describe(result)
+
+
+def assert_fix(without_fix: Path, patched: Path, code: str, env: dict, failure, args=(), expected='ok'):
+    """The probe fails without the fix (stderr naming each fragment of `failure`) and works patched."""
+    assert_fails(probe(without_fix, code, env, args), *failure)
+    assert_works(probe(patched, code, env, args), expected)
+
+
+# -- the environment and the end-to-end training run --------------------------------------------
+
+ENVIRONMENT_FACTS = '''
+import importlib.metadata as md, importlib.util, json, socket
+import numpy, PIL, torch
+print(json.dumps({
+    'torch': torch.__version__.split('+')[0], 'numpy': numpy.__version__, 'pillow': PIL.__version__,
+    'setuptools': md.version('setuptools'),
+    'pkg_resources': importlib.util.find_spec('pkg_resources') is not None,
+    'ipython': importlib.util.find_spec('IPython') is not None,
+    'network_blocked': getattr(socket, 'NETWORK_BLOCKED_BY_YOLOV9_DDP_TESTS', False)}))
+'''
+
+
+def version(text: str) -> tuple:
+    return tuple(int(part) for part in text.split('.')[:2])
+
+
+def test_the_environment_is_the_modern_stack(offline_env, tmp_path):
+    result = run_python(ENVIRONMENT_FACTS, tmp_path, offline_env)
+    assert result.returncode == 0, describe(result)
+    facts = json.loads(result.stdout)
+    assert facts['torch'] == '2.14.1'
+    assert version(facts['numpy']) >= (2, 0)
+    assert version(facts['pillow']) >= (10, 0)
+    assert version(facts['setuptools']) >= (81, 0)
+    assert facts['pkg_resources'] is False, 'pkg_resources is importable: the setuptools >= 81 claim is untested'
+    assert facts['ipython'] is False, 'IPython is importable: training without it is untested'
+    assert facts['network_blocked'] is True
+
+
+CHECKPOINT_CHECK = '''
+import sys, torch
+from models.experimental import attempt_load
+for weights in sys.argv[1:]:
+    ckpt = torch.load(weights, map_location='cpu', weights_only=False)
+    assert ckpt['optimizer'] is None and ckpt['epoch'] == -1, 'not stripped by strip_optimizer'
+    model = attempt_load(weights, device='cpu')
+    out = model(torch.zeros(1, 3, 64, 64))
+    print(type(ckpt['model']).__name__, type(model).__name__, sum(p.numel() for p in model.parameters()))
+print('ok')
+'''
+
+
+@pytest.mark.slow
+def test_train_dual_trains_two_epochs_offline_and_writes_its_outputs(patched_tree, demo_data, offline_env,
+                                                                      tmp_path):
+    project = tmp_path / 'runs'
+    cmd = [sys.executable, 'train_dual.py', '--data', str(demo_data), '--cfg', str(TINY_CFG),
+           '--hyp', 'data/hyps/hyp.scratch-high.yaml', '--epochs', '2', '--batch-size', '8', '--imgsz', '64',
+           '--device', 'cpu', '--workers', '0', '--project', str(project), '--name', 'exp']
+    result = subprocess.run(cmd, cwd=str(patched_tree), env=offline_env, capture_output=True, text=True,
+                            timeout=TRAIN_TIMEOUT_S)
+    assert result.returncode == 0, describe(result)
+    output = result.stdout + result.stderr
+    run = project / 'exp'
+    for name in ('weights/last.pt', 'weights/best.pt', 'results.csv', 'results.png', 'labels.jpg',
+                 'confusion_matrix.png', 'val_batch0_pred.jpg'):
+        assert (run / name).is_file() and (run / name).stat().st_size > 0, f'{name} missing:\n{describe(result)}'
+    with open(run / 'results.csv') as f:
+        rows = [{k.strip(): v.strip() for k, v in row.items()} for row in csv.DictReader(f)]
+    assert [int(row['epoch']) for row in rows] == [0, 1]
+    assert all(row['metrics/mAP_0.5'] != '' for row in rows)
+    # one validation summary per epoch, plus the final validation of best.pt
+    assert output.count('                   all         16') >= 3, describe(result)
+    assert 'torch.cuda.amp' not in output, 'a deprecated torch.cuda.amp call ran during training'
+    assert not list(Path(offline_env['YOLOV5_CONFIG_DIR']).iterdir()), 'something was downloaded or cached'
+
+    loaded = run_python(CHECKPOINT_CHECK, patched_tree, offline_env,
+                        args=[run / 'weights' / 'last.pt', run / 'weights' / 'best.pt'])
+    assert_works(loaded)
+    assert loaded.stdout.count('DetectionModel DetectionModel') == 2, describe(loaded)
+
+
+# -- one probe per fix ---------------------------------------------------------------------------
+
+HIDE = 'import sys; sys.modules[{name!r}] = None  # as if not installed, whatever this environment has\n'
+
+
+def test_0001_utils_general_works_without_pkg_resources(pristine_tree, patched_tree, offline_env, tmp_path):
+    requirements = tmp_path / 'requirements.txt'
+    requirements.write_text('numpy>=1.0  # a comment\n\nPillow>=10.0\n')
+    # The pristine utils/general.py imports IPython before pkg_resources (and 0002 does not apply without
+    # 0001), so an empty stand-in module lets the probe reach the pkg_resources import there.
+    code = HIDE.format(name='pkg_resources') + '''
+import types
+sys.modules.setdefault('IPython', types.ModuleType('IPython'))
+from utils.general import check_requirements, check_version, requirement_met
+assert check_version('2.0', '1.0') and not check_version('1.0', '2.0')
+assert check_version('1.0', '1.0', pinned=True) and not check_version('1.1', '1.0', pinned=True)
+assert requirement_met('numpy>=1.0') and not requirement_met('numpy<1.0')
+assert not requirement_met('no-such-distribution-yolov9-ddp>=1')
+check_requirements(sys.argv[1], install=False)
+check_requirements('numpy>=1.0', install=False)
+print('ok')
+'''
+    assert_fix(pristine_tree, patched_tree, code, offline_env, ['ModuleNotFoundError', 'import pkg_resources'],
+               args=[requirements])
+
+
+def test_0002_models_common_imports_without_ipython(tree_without, patched_tree, offline_env):
+    code = HIDE.format(name='IPython') + '''
+import models.common, utils.general
+assert utils.general.is_notebook() is False
+print('ok')
+'''
+    assert_fix(tree_without(2), patched_tree, code, offline_env, ['ModuleNotFoundError', 'IPython'])
+
+
+def test_0003_fonts_resolve_locally_without_network(tree_without, patched_tree, demo_data, offline_env):
+    code = '''
+import os, sys
+from pathlib import Path
+from utils.general import CONFIG_DIR, check_dataset, check_font
+assert CONFIG_DIR == Path(os.environ['YOLOV5_CONFIG_DIR']) and not any(CONFIG_DIR.iterdir()), 'no font cached'
+check_dataset(sys.argv[1])
+assert Path(check_font('Arial.ttf')).is_file()
+from PIL import ImageFont
+from utils.plots import check_pil_font
+font = check_pil_font()
+assert isinstance(font, ImageFont.FreeTypeFont) and Path(font.path).is_file(), font
+print('ok')
+'''
+    assert_fix(tree_without(3), patched_tree, code, offline_env, ['URLError', BLOCKED], args=[demo_data])
+
+
+def test_0004_box_labels_are_measured_with_getbbox(tree_without, patched_tree, offline_env):
+    code = '''
+import numpy as np
+from utils.plots import Annotator
+annotator = Annotator(np.zeros((64, 96, 3), np.uint8), line_width=1, pil=True)
+annotator.box_label([10, 30, 60, 60], 'label')
+annotator.text([5, 20], 'text', anchor='bottom')
+assert annotator.result().any(), 'nothing was drawn'
+print('ok')
+'''
+    assert_fix(tree_without(4), patched_tree, code, offline_env, ["no attribute 'getsize'"])
+
+
+def test_0005_checkpoints_load_with_weights_only_false(tree_without, patched_tree, offline_env, tmp_path):
+    code = '''
+import sys, torch
+from copy import deepcopy
+from models.experimental import attempt_load
+from models.yolo import Model
+from utils.general import strip_optimizer
+model = Model(sys.argv[1], ch=3, nc=3)
+# what train_dual.py saves as last.pt / best.pt
+torch.save({'epoch': 0, 'best_fitness': 0.0, 'model': deepcopy(model).half(), 'ema': deepcopy(model).half(),
+            'updates': 1, 'optimizer': torch.optim.SGD(model.parameters(), lr=0.01).state_dict(), 'opt': {},
+            'git': None, 'date': None}, sys.argv[2])
+strip_optimizer(sys.argv[2])
+loaded = attempt_load(sys.argv[2], device='cpu')
+assert type(loaded).__name__ == 'DetectionModel'
+print('ok')
+'''
+    weights = tmp_path / 'last.pt'
+    assert_fix(tree_without(5), patched_tree, code, offline_env, ['Weights only load failed'],
+               args=[TINY_CFG, weights])
+
+
+def test_0006_average_precision_is_integrated_with_trapezoid(tree_without, patched_tree, offline_env):
+    # Envelope through (0, 1), (0.2, 1), (0.6, 0.5), (1, 0), every corner on the 101-point grid:
+    # area = 0.2 * 1 + 0.4 * (1 + 0.5) / 2 + 0.4 * 0.5 / 2 = 0.2 + 0.3 + 0.1 = 0.6, exactly by trapezoids.
+    code = '''
+import warnings
+import numpy as np
+from utils.metrics import compute_ap
+warnings.simplefilter('error', DeprecationWarning)  # numpy 2.0-2.3 deprecate np.trapz; 2.4 removed it
+ap, _, _ = compute_ap(np.array([0.2, 0.6]), np.array([1.0, 0.5]))
+print(repr(round(float(ap), 12)))
+'''
+    assert_fix(tree_without(6), patched_tree, code, offline_env, ['trapz'], expected='0.6')
+
+
+def test_0007_amp_uses_the_torch_amp_api(tree_without, patched_tree, offline_env):
+    # What a training step runs: the dual loss's VarifocalLoss and autobatch's autocast.
+    code = '''
+import warnings, torch
+from utils.autobatch import check_train_batch_size
+from utils.loss_tal_dual import VarifocalLoss
+warnings.simplefilter('error', FutureWarning)
+torch.manual_seed(0)
+gt = torch.rand(2, 8, 3)
+loss = VarifocalLoss()(torch.randn(2, 8, 3), gt, (gt > 0.5).float())
+assert torch.isfinite(loss)
+assert check_train_batch_size(torch.nn.Conv2d(3, 8, 3), imgsz=64, amp=False) == 16  # CPU: the default
+print('ok')
+'''
+    assert_fix(tree_without(7), patched_tree, code, offline_env, ['FutureWarning', 'torch.cuda.amp'])
+
+
+def test_0008_train_dual_accepts_local_rank_with_a_hyphen(tree_without, patched_tree, offline_env):
+    code = '''
+import sys
+import train_dual
+sys.argv = ['train_dual.py', '--local-rank=0']  # what torch.distributed.launch passes today
+assert train_dual.parse_opt().local_rank == 0
+sys.argv = ['train_dual.py', '--local_rank', '1']  # the old spelling still works
+assert train_dual.parse_opt().local_rank == 1
+print('ok')
+'''
+    assert_fix(tree_without(8), patched_tree, code, offline_env, ['unrecognized arguments: --local-rank=0'])
+
+
+# -- 0010: the label cache -----------------------------------------------------------------------
+
+BUILD_CACHE = '''
+import sys
+from utils.dataloaders import LoadImagesAndLabels
+dataset = LoadImagesAndLabels(sys.argv[1], img_size=64, batch_size=4)
+print(len(dataset))
+'''
+
+# Two writers of one label cache, interleaved the way two nodes' local rank 0 can interleave on a
+# shared filesystem: A writes its cache file, B starts writing its own, A moves its file into place,
+# a reader (the test) loads the cache, then B finishes. np.save is wrapped to pause at those points.
+RACE_DRIVER = '''
+import io, os, sys, time
+from pathlib import Path
+import numpy as np
+from utils.dataloaders import LoadImagesAndLabels
+
+role, sync, images = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+
+
+def signal(name):
+    (sync / name).touch()
+
+
+def wait(name):
+    deadline = time.monotonic() + 120
+    while not (sync / name).exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f'{role}: timed out waiting for {name}')
+        time.sleep(0.01)
+
+
+dataset = LoadImagesAndLabels(images, img_size=64, batch_size=4)  # the cache exists: it is only read
+cache = Path(dataset.label_files[0]).parent.with_suffix('.cache')
+real_save = np.save
+
+
+def paused_save(file, arr, *args, **kwargs):
+    buffer = io.BytesIO()
+    real_save(buffer, arr, *args, **kwargs)
+    data = buffer.getvalue()
+    named = isinstance(file, (str, os.PathLike))  # np.save opens (truncates) a path itself, adding .npy
+    if role == 'B':
+        wait('a-written')  # before opening: B must truncate the file after A has written it
+    f = open(os.fspath(file) + ('' if os.fspath(file).endswith('.npy') else '.npy'), 'wb') if named else file
+    if role == 'A':
+        f.write(data)
+        f.flush()
+        signal('a-written')
+        wait('b-half-written')
+    else:
+        f.write(data[:len(data) // 2])
+        f.flush()
+        signal('b-half-written')
+        wait('reader-done')
+        f.write(data[len(data) // 2:])
+        f.flush()
+    if named:
+        f.close()
+
+
+np.save = paused_save
+dataset.cache_labels(cache, prefix=f'{role}: ')
+print('ok')
+'''
+
+
+def load_cache(path: Path):
+    """The label cache dict, or the exception loading it raises."""
+    try:
+        return np.load(path, allow_pickle=True).item()
+    except Exception as e:  # a partly written file: EOFError, UnpicklingError, ValueError...
+        return e
+
+
+def leftover_files(labels: Path) -> list:
+    return sorted(p.name for p in labels.iterdir() if p.name not in ('train', 'val', 'train.cache'))
+
+
+def race_label_cache_writers(tree: Path, images: Path, env: dict, sync: Path):
+    """Run writers A and B as above; returns (what the reader loaded between them, A's and B's results)."""
+    sync.mkdir()
+    writers = {role: subprocess.Popen([sys.executable, '-c', RACE_DRIVER, role, str(sync), str(images)],
+                                      cwd=str(tree), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for role in 'AB'}
+    try:
+        out_a = writers['A'].communicate(timeout=180)  # A has moved its file into place and exited
+        seen = load_cache(images.parent.parent / 'labels' / 'train.cache')
+    finally:
+        (sync / 'reader-done').touch()
+    out_b = writers['B'].communicate(timeout=180)
+    return seen, [subprocess.CompletedProcess(writers[role].args, writers[role].returncode, *out)
+                  for role, out in zip('AB', (out_a, out_b))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('fixed', [False, True], ids=['without-0010', 'patched'])
+def test_0010_label_cache_is_never_seen_half_written(fixed, tree_without, patched_tree, offline_env, tmp_path):
+    tree = patched_tree if fixed else tree_without(10)
+    root = ensure_demo_dataset(tmp_path / 'data', DemoSpec(train=16, val=4, imgsz=64), log=lambda msg: None).parent
+    images, labels = root / 'images' / 'train', root / 'labels'
+
+    built = run_python(BUILD_CACHE, tree, offline_env, args=[images])
+    assert built.returncode == 0 and built.stdout.strip() == '16', describe(built)
+    first = load_cache(labels / 'train.cache')
+    assert isinstance(first, dict) and len([k for k in first if k.endswith('.jpg')]) == 16, first
+    assert leftover_files(labels) == [], 'building the cache left a temporary file'
+
+    seen, writers = race_label_cache_writers(tree, images, offline_env, tmp_path / 'sync')
+    for writer in writers:
+        assert writer.returncode == 0 and writer.stdout.strip() == 'ok', describe(writer)
+    final = load_cache(labels / 'train.cache')
+    assert isinstance(final, dict) and final['hash'] == first['hash'], final
+    assert leftover_files(labels) == [], 'the concurrent writers left a temporary file'
+    half_written = not isinstance(seen, dict)
+    assert half_written is not fixed, \
+        f'{"patched" if fixed else "unpatched"}: the reader between the writers loaded {seen!r:.200}'
