@@ -67,7 +67,8 @@ def configure_logging():
     if rank == 0:
         return
     LOGGER.setLevel(logging.WARNING)
-    for handler in LOGGER.handlers:
+    for handler in LOGGER.handlers:  # upstream's set_logging() gave them level ERROR on ranks other than 0
+        handler.setLevel(logging.WARNING)
         handler.setFormatter(logging.Formatter(f'[rank {rank}] %(message)s'))
 
 
@@ -110,6 +111,7 @@ def plan_and_create_run(opt) -> runs.RunPlan:
             plan = runs.plan_run(opt, get_latest_run, increment_path)
             if not plan.finished:
                 runs.start_record(plan)
+                checkpoint.remove_stale_temporaries(plan.save_dir / 'weights')  # of a writer killed mid-save
         except (checkpoint.CheckpointError, OSError) as e:
             error = e
     comm.raise_if_any_failed(error)
@@ -485,7 +487,8 @@ def train(opt, device):
 def report(error: BaseException):
     """One line per failure: from the rank that saw it (rank 0 for errors every rank sees the same way)."""
     rank = comm.get_rank() if comm.is_distributed() else int(os.environ.get('RANK', 0))
-    if isinstance(error, comm.PeerFailed) or (isinstance(error, cli.UsageError) and rank != 0):
+    seen_alike_by = {cli.UsageError: rank, comm.LaunchError: comm.get_local_rank()}  # every rank / every process
+    if isinstance(error, comm.PeerFailed) or seen_alike_by.get(type(error), 0) != 0:  # of a node sees it the same
         return
     where = f' [rank {rank}]' if comm.launched_world_size() > 1 else ''
     print(f'ddp_train_dual.py: error{where}: {error}', file=sys.stderr, flush=True)

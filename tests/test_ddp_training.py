@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from ddp_fixtures import trained_weights  # noqa: F401 (a fixture)
 from ddp_helpers import run_probe, train_args
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 from yolov9_ddp.samplers import ShardBatchSampler, padding_per_epoch, training_sampler

@@ -151,6 +151,23 @@ def select_device(device_arg: str) -> torch.device:
     return torch.device('cuda', local_rank)
 
 
+def per_attempt_store(timeout) -> dict:
+    """Under torchrun, a rendezvous store whose keys are private to this restart attempt.
+
+    torchrun keeps one store across the restarts of its workers (--max-restarts). With torch 2.14 the
+    restarted workers find the previous attempt's keys in it and connect to the addresses of dead
+    processes: gloo fails with "connectFullMesh failed ... Connection refused" and the job never resumes.
+    Prefixing the keys with the attempt number gives each attempt a clean rendezvous.
+    """
+    attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT')
+    if attempt is None:  # not under torchrun: the default env:// rendezvous
+        return {}
+    store, rank, world_size = next(dist.rendezvous('env://', int(os.environ['RANK']), launched_world_size(),
+                                                   timeout=timeout))
+    return {'store': dist.PrefixStore(f'yolov9-ddp/attempt_{attempt}', store), 'rank': rank,
+            'world_size': world_size}
+
+
 @contextlib.contextmanager
 def process_group(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S):
     """Initialise the default process group under a launcher (NCCL on CUDA, gloo on CPU); always destroy it.
@@ -163,8 +180,9 @@ def process_group(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S):
     if device.type == 'cuda':
         torch.cuda.set_device(device)
     backend = 'nccl' if device.type == 'cuda' else 'gloo'
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=device if device.type == 'cuda' else None)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == 'cuda' else None,
+                            **per_attempt_store(timeout))
     try:
         yield
     finally:

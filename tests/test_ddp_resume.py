@@ -1,0 +1,179 @@
+"""Rank-0 atomic checkpoints, --resume under torchrun, and the automatic resume after torchrun restarts
+workers that were killed (--max-restarts)."""
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddp_helpers import job_env, run, torchrun_cmd, train_args
+from yolov9_ddp import checkpoint
+from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
+
+pytestmark = pytest.mark.timeout(900)
+EPOCHS = 4
+
+
+@pytest.fixture(scope='module', autouse=True)
+def upstream_importable(patched_tree):
+    """Checkpoints pickle upstream's model classes: reading them here needs the patched tree on sys.path."""
+    sys.path.insert(0, str(patched_tree))
+    yield
+    sys.path.remove(str(patched_tree))
+
+
+@pytest.fixture(scope='module')
+def dataset(tmp_path_factory):
+    return ensure_demo_dataset(tmp_path_factory.mktemp('data') / 'demo', DemoSpec(train=64, val=16, imgsz=64))
+
+
+def results_epochs(run_dir: Path) -> list:
+    with open(run_dir / 'results.csv') as f:
+        return [int(row['epoch'].strip()) for row in csv.DictReader(f, skipinitialspace=True)]
+
+
+def checkpoint_epoch(path: Path):
+    try:
+        return checkpoint.load_checkpoint(path)['epoch']
+    except checkpoint.CheckpointError:
+        return None
+
+
+def wait_for(condition, process, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if condition():
+            return
+        assert process.poll() is None, f'the job ended early:\n{process.stdout.read()[-3000:]}'
+        time.sleep(0.1)
+    raise AssertionError('timed out waiting for the job')
+
+
+def start(cmd, cwd):
+    return subprocess.Popen(cmd, cwd=cwd, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def worker_pids(agent_pid: int, local_rank: int) -> list:
+    """Processes started by the torchrun agent for one local rank (dataloader workers are not children of it)."""
+    pids = []
+    for entry in Path('/proc').iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / 'stat').read_text().split()
+            environ = (entry / 'environ').read_bytes().split(b'\0')
+        except OSError:
+            continue
+        if int(stat[3]) == agent_pid and f'LOCAL_RANK={local_rank}'.encode() in environ:
+            pids.append(int(entry.name))
+    return pids
+
+
+def kill_job(job):
+    """SIGKILL the agent and its workers (torchrun starts each worker in a session of its own)."""
+    for pid in worker_pids(job.pid, 0) + worker_pids(job.pid, 1) + [job.pid]:
+        os.kill(pid, signal.SIGKILL)
+    job.wait()
+
+
+def assert_completed_every_epoch(project: Path, output: str):
+    folders = [p for p in project.iterdir() if p.is_dir()]
+    assert [p.name for p in folders] == ['exp'], 'one run folder, however often the job was restarted'
+    epochs = results_epochs(folders[0])
+    assert sorted(set(epochs)) == list(range(EPOCHS)), epochs
+    assert len(epochs) - len(set(epochs)) <= 1  # at most the epoch in progress at the kill is repeated
+    assert 'mAP50-95' in output
+    final = checkpoint.load_checkpoint(folders[0] / 'weights' / 'last.pt')
+    assert final['epoch'] == -1 and final['optimizer'] is None  # stripped at the end, as upstream does
+    assert not list((folders[0] / 'weights').glob('.*.tmp')), 'temporary checkpoint files left behind'
+
+
+# -- atomic saving -----------------------------------------------------------------------------------------------------
+
+def test_save_atomic_replaces_the_file_whole(tmp_path):
+    target = tmp_path / 'last.pt'
+    checkpoint.save_atomic({'epoch': 1, 'model': torch.zeros(3)}, target)
+    checkpoint.save_atomic({'epoch': 2, 'model': torch.ones(3)}, target)
+    assert torch.load(target)['epoch'] == 2
+    assert [p.name for p in tmp_path.iterdir()] == ['last.pt']
+
+
+def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    target = tmp_path / 'last.pt'
+    checkpoint.save_atomic({'epoch': 1, 'model': torch.zeros(3)}, target)
+
+    def dies_half_way(obj, f):
+        f.write(b'PK\x03\x04 partial')
+        raise KeyboardInterrupt  # what SIGINT raises in the middle of a write
+
+    monkeypatch.setattr(torch, 'save', dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_atomic({'epoch': 2, 'model': torch.ones(3)}, target)
+    monkeypatch.undo()
+    assert checkpoint.load_checkpoint(target)['epoch'] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ['last.pt']
+
+
+def test_a_truncated_checkpoint_is_reported_not_loaded(tmp_path):
+    target = tmp_path / 'last.pt'
+    checkpoint.save_atomic({'epoch': 1, 'model': torch.zeros(1000)}, target)
+    target.write_bytes(target.read_bytes()[:200])
+    with pytest.raises(checkpoint.CheckpointError, match='truncated or corrupt'):
+        checkpoint.load_checkpoint(target)
+
+
+# -- resume ------------------------------------------------------------------------------------------------------------
+
+def test_resume_continues_in_the_same_folder_at_the_next_epoch(patched_tree, dataset, tmp_path):
+    project = tmp_path / 'runs'
+    args = train_args(dataset, project, EPOCHS, 4, 64)
+    job = start(torchrun_cmd(2, 'ddp_train_dual.py', *args), patched_tree)
+    last = project / 'exp' / 'weights' / 'last.pt'
+    wait_for(lambda: checkpoint_epoch(last) is not None, job)
+    kill_job(job)
+    saved = checkpoint.load_checkpoint(last, require_resume_state=True)
+    for key in ('model', 'ema', 'updates', 'optimizer', 'scaler', 'epoch', 'best_fitness', 'opt'):
+        assert key in saved, f'checkpoint lacks {key}'
+    assert saved['ema'] is not None and saved['updates'] > 0
+    assert saved['epoch'] < EPOCHS - 1, 'killed too late to show a resume'
+
+    result = run(torchrun_cmd(2, 'ddp_train_dual.py', '--resume', last, '--device', 'cpu', '--workers', 0),
+                 patched_tree, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert f'at epoch {saved["epoch"] + 1} of {EPOCHS}' in output
+    assert_completed_every_epoch(project, output)
+
+
+def test_torchrun_restart_after_a_killed_worker_resumes_by_itself(patched_tree, dataset, tmp_path):
+    project = tmp_path / 'runs'
+    args = train_args(dataset, project, EPOCHS, 4, 64)
+    job = start(torchrun_cmd(2, '--max-restarts', 2, 'ddp_train_dual.py', *args), patched_tree)
+    last = project / 'exp' / 'weights' / 'last.pt'
+    wait_for(lambda: checkpoint_epoch(last) is not None, job)
+    victims = worker_pids(job.pid, local_rank=1)
+    assert victims, 'rank 1 worker not found'
+    killed_at = checkpoint_epoch(last)
+    os.kill(victims[0], signal.SIGKILL)
+    output, _ = job.communicate(timeout=600)
+    assert job.returncode == 0, output[-3000:]
+    assert 'torchrun restart 1: continuing' in output
+    assert killed_at < EPOCHS - 1, 'killed too late to show a resume'
+    assert_completed_every_epoch(project, output)
+
+
+def test_restart_of_a_finished_job_does_not_train_again(patched_tree, dataset, tmp_path, monkeypatch):
+    project = tmp_path / 'runs'
+    args = list(map(str, train_args(dataset, project, 1, 4, 64)))
+    done = run([sys.executable, 'ddp_train_dual.py', *args, '--auto-resume'], patched_tree)
+    assert done.returncode == 0, done.stderr[-2000:]
+    again = run([sys.executable, 'ddp_train_dual.py', *args, '--auto-resume'], patched_tree)
+    assert again.returncode == 0
+    assert 'already finished' in again.stdout + again.stderr
+    assert [p.name for p in project.iterdir()] == ['exp']
