@@ -52,7 +52,8 @@ from utils.metrics import fitness  # noqa: E402
 from utils.torch_utils import EarlyStopping, ModelEMA, smart_optimizer  # noqa: E402
 from yolov9_ddp import checkpoint, cli, comm, data, runs  # noqa: E402
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset  # noqa: E402
-from yolov9_ddp.ema import synchronize_ema  # noqa: E402
+from yolov9_ddp.ema import EmaUpdater, synchronize_ema  # noqa: E402
+from yolov9_ddp.levers import levers_for  # noqa: E402
 
 NOMINAL_BATCH = 64  # upstream's nbs: gradients are accumulated up to this many images per optimizer step
 EXIT_USAGE, EXIT_FAILED = 2, 1
@@ -130,6 +131,19 @@ def load_everywhere(path: Path, require_resume_state: bool) -> dict:
     return comm.broadcast_object(ckpt)
 
 
+def portable_copy(model):
+    """A copy to save: in the default memory format, which upstream's fuse_conv_and_bn() (a .view) requires."""
+    return deepcopy(model).to(memory_format=torch.contiguous_format)
+
+
+def fused(optimizer):
+    """The same optimizer with fused kernels: one launch per group, and GradScaler skips its found_inf sync."""
+    implementation = ('foreach', 'fused', 'differentiable')
+    groups = [{k: v for k, v in group.items() if k not in implementation} for group in optimizer.param_groups]
+    defaults = {k: v for k, v in optimizer.defaults.items() if k not in implementation}
+    return type(optimizer)(groups, **defaults, fused=True)
+
+
 def rank_local_buffers() -> dict:
     """DDP option that stops the per-forward broadcast of buffers (BatchNorm statistics stay per rank and are
     averaged each epoch, see yolov9_ddp.ema); torch >= 2.14 renamed broadcast_buffers to forward_sync_buffers."""
@@ -151,6 +165,8 @@ class Trainer:
         self.weights_dir = self.save_dir / 'weights'
         self.last, self.best = self.weights_dir / 'last.pt', self.weights_dir / 'best.pt'
         self.callbacks = Callbacks()  # actions registered on rank 0 only: other ranks log nothing
+        self.levers = levers_for(opt)
+        self.cuda = device.type == 'cuda'
         self.best_fitness, self.start_epoch = 0.0, 0
         self.results = (0, 0, 0, 0, 0, 0, 0)  # P, R, mAP@.5, mAP@.5-.95, val losses
 
@@ -166,14 +182,15 @@ class Trainer:
             for action in methods(loggers):
                 self.callbacks.register_action(action, callback=getattr(loggers, action))
         self.callbacks.run('on_pretrain_routine_start')
-        init_seeds(opt.seed + 1 + self.rank, deterministic=True)
+        init_seeds(opt.seed + 1 + self.rank, deterministic=not self.levers.cudnn_benchmark)
+        torch.backends.cudnn.benchmark = self.levers.cudnn_benchmark
         self.data_dict = comm.run_staged(self.check_data)  # may download: rank 0 first
         self.nc = 1 if opt.single_cls else int(self.data_dict['nc'])
         names = self.data_dict['names']
         self.names = {0: 'item'} if opt.single_cls and len(names) != 1 else names
         ckpt = load_everywhere(Path(opt.weights), opt.resume) if opt.weights.endswith('.pt') else None
         self.build_model(ckpt)
-        self.amp = self.device.type == 'cuda'  # upstream's check_amp() passes on every CUDA device
+        self.amp = self.cuda  # upstream's check_amp() passes on every CUDA device
         gs = max(int(self.model.stride.max()), 32)
         self.imgsz = check_img_size(opt.imgsz, gs, floor=gs * 2)
         self.batch_size = self.resolve_batch_size()
@@ -181,6 +198,7 @@ class Trainer:
         self.build_loaders(gs)
         self.wrap_model()  # DDP makes every rank's weights rank 0's
         self.ema = ModelEMA(self.raw_model)  # so the EMA starts identical on every rank
+        self.update_ema = EmaUpdater(self.ema, self.raw_model, self.levers.foreach_ema)
         self.scaler = torch.amp.GradScaler('cuda', enabled=self.amp)
         if ckpt is not None and opt.resume:
             self.restore(ckpt)
@@ -230,6 +248,8 @@ class Trainer:
         self.accumulate = max(round(NOMINAL_BATCH / self.batch_size), 1)
         hyp['weight_decay'] *= self.batch_size * self.accumulate / NOMINAL_BATCH
         self.optimizer = smart_optimizer(self.model, opt.optimizer, hyp['lr0'], hyp['momentum'], hyp['weight_decay'])
+        if self.cuda and self.levers.fused_optimizer and opt.optimizer != 'LION':
+            self.optimizer = fused(self.optimizer)
         epochs = opt.epochs
         if opt.cos_lr:
             self.lf = one_cycle(1, hyp['lrf'], epochs)
@@ -253,17 +273,16 @@ class Trainer:
         LOGGER.info(f'Resuming training from {self.opt.weights} at epoch {self.start_epoch} of {self.opt.epochs}')
 
     def build_loaders(self, gs):
-        opt, per_rank = self.opt, self.batch_size // self.world
-        pin = self.device.type == 'cuda'
+        opt, per_rank, levers = self.opt, self.batch_size // self.world, self.levers
         self.train_loader, self.dataset = data.train_loader(self.data_dict['train'], self.imgsz, per_rank, gs, opt,
-                                                            self.hyp, pin, colorstr('train: '))
+                                                            self.hyp, levers, self.cuda, colorstr('train: '))
         labels = np.concatenate(self.dataset.labels, 0)
         max_class = int(labels[:, 0].max()) if len(labels) else -1
         if max_class >= self.nc:
             raise cli.UsageError(f'label class {max_class} exceeds nc={self.nc} in {opt.data}; '
                                  f'possible class labels are 0-{self.nc - 1}')
-        self.val_loader = data.val_loader(self.data_dict['val'], self.imgsz, per_rank * 2, gs, opt, pin,
-                                          colorstr('val: '))
+        self.val_loader = data.val_loader(self.data_dict['val'], self.imgsz, per_rank * 2, gs, opt, levers,
+                                          self.cuda, colorstr('val: '))
         if not opt.resume:
             self.model.half().float()  # pre-reduce anchor precision, as train_dual.py
         if self.primary:
@@ -273,14 +292,17 @@ class Trainer:
         model, opt = self.raw_model, self.opt
         model.nc, model.hyp, model.names = self.nc, self.hyp, self.names
         model.class_weights = labels_to_class_weights(self.dataset.labels, self.nc).to(self.device) * self.nc
-        if self.world == 1:
-            return
-        if opt.sync_bn and self.device.type == 'cuda':
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model).to(self.device)
-            LOGGER.info('Using SyncBatchNorm()')
-        device_ids = [self.device.index] if self.device.type == 'cuda' else None
-        self.model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
-                                             **rank_local_buffers())
+        if self.levers.channels_last:
+            model.to(memory_format=torch.channels_last)
+        if self.world > 1:
+            if opt.sync_bn and self.cuda:
+                model = self.raw_model = nn.SyncBatchNorm.convert_sync_batchnorm(model).to(self.device)
+                LOGGER.info('Using SyncBatchNorm()')
+            self.model = DistributedDataParallel(model, device_ids=[self.device.index] if self.cuda else None,
+                                                 gradient_as_bucket_view=self.levers.bucket_view,
+                                                 static_graph=self.levers.static_graph, **rank_local_buffers())
+        if self.levers.compile:
+            self.model = torch.compile(self.model)
 
     # training ---------------------------------------------------------------------------------------------------
 
@@ -304,10 +326,15 @@ class Trainer:
         epoch = self.start_epoch - 1
         for epoch in range(self.start_epoch, opt.epochs):
             self.callbacks.run('on_train_epoch_start')
+            started = time.time()
             mloss = self.train_epoch(epoch)
+            trained = time.time()
             lr = [x['lr'] for x in self.optimizer.param_groups]
             self.scheduler.step()
             stop = self.end_epoch(epoch, mloss, lr)
+            LOGGER.info(f'epoch {epoch}: {len(self.dataset)} images in {trained - started:.1f} s '
+                        f'({len(self.dataset) / (trained - started):.1f} img/s); validation {self.val_seconds:.1f} s, '
+                        f'epoch end {time.time() - trained:.1f} s')
             if stop:
                 break
         LOGGER.info(f'\n{epoch - self.start_epoch + 1} epochs completed in {(time.time() - t0) / 3600:.3f} hours.')
@@ -331,13 +358,16 @@ class Trainer:
         for i, (imgs, targets, paths, _) in pbar:
             self.callbacks.run('on_train_batch_start')
             ni = i + self.nb * epoch
-            imgs = imgs.to(self.device, non_blocking=True).float() / 255
-            loss_items = self.train_step(ni, epoch, imgs, targets)
+            imgs = imgs.to(self.device, non_blocking=self.levers.pin_memory).float() / 255
+            if self.levers.channels_last:
+                imgs = imgs.contiguous(memory_format=torch.channels_last)
+            loss_items = self.train_step(ni, epoch, imgs, targets.to(self.device, non_blocking=self.levers.pin_memory))
             mloss = (mloss * i + loss_items) / (i + 1)
             if self.primary:
-                mem = f'{torch.cuda.memory_reserved() / 1E9 if torch.cuda.is_available() else 0:.3g}G'
-                pbar.set_description(('%11s' * 2 + '%11.4g' * 5) %
-                                     (f'{epoch}/{opt.epochs - 1}', mem, *mloss, targets.shape[0], imgs.shape[-1]))
+                if i % self.levers.progress_every == 0 or i == self.nb - 1:  # formatting the losses syncs the GPU
+                    mem = f'{torch.cuda.memory_reserved() / 1E9 if torch.cuda.is_available() else 0:.3g}G'
+                    pbar.set_description(('%11s' * 2 + '%11.4g' * 5) %
+                                         (f'{epoch}/{opt.epochs - 1}', mem, *mloss, targets.shape[0], imgs.shape[-1]))
                 self.callbacks.run('on_train_batch_end', self.raw_model, ni, imgs, targets, paths, list(mloss))
         return mloss
 
@@ -364,7 +394,7 @@ class Trainer:
         with sync:
             with torch.amp.autocast('cuda', enabled=self.amp):
                 pred = self.model(imgs)
-                loss, loss_items = self.compute_loss(pred, targets.to(self.device))
+                loss, loss_items = self.compute_loss(pred, targets)
                 loss *= self.world  # DDP averages gradients over ranks; upstream's loss is a sum over the batch
                 if opt.quad:
                     loss *= 4.
@@ -380,7 +410,7 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad()
-        self.ema.update(self.model)
+        self.update_ema(self.model)
 
     def rescale(self, imgs):
         gs = max(int(self.raw_model.stride.max()), 32)
@@ -398,8 +428,10 @@ class Trainer:
         synchronize_ema(self.ema, self.raw_model)
         self.ema.update_attr(self.raw_model, include=['yaml', 'nc', 'hyp', 'names', 'stride', 'class_weights'])
         final_epoch = epoch + 1 == opt.epochs or self.stopper.possible_stop
+        started = time.time()
         if not opt.noval or final_epoch:
             self.results, self.maps, _ = self.validate(self.ema.ema, plots=False)
+        self.val_seconds = time.time() - started
         fi = fitness(np.array(self.results).reshape(1, -1))
         stop = self.stopper(epoch=epoch, fitness=fi)  # the same results on every rank: the same decision
         if fi > self.best_fitness:
@@ -422,8 +454,8 @@ class Trainer:
         ckpt = {
             'epoch': epoch,
             'best_fitness': self.best_fitness,
-            'model': deepcopy(self.raw_model),
-            'ema': deepcopy(self.ema.ema),
+            'model': portable_copy(self.raw_model),
+            'ema': portable_copy(self.ema.ema),
             'updates': self.ema.updates,
             'optimizer': self.optimizer.state_dict(),
             'scaler': self.scaler.state_dict(),

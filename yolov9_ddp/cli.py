@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from yolov9_ddp.comm import DEFAULT_TIMEOUT_S
+from yolov9_ddp.levers import levers_for
 
 DEMO_CFG = Path(__file__).resolve().parent / 'models' / 'tiny-dual.yaml'
 
@@ -77,6 +78,10 @@ def build_parser(root: Path) -> argparse.ArgumentParser:
     kit.add_argument('--auto-resume', action='store_true',
                      help='continue PROJECT/NAME from its last checkpoint if it holds an unfinished run, else start '
                           'there (for schedulers that requeue the same command); torchrun restarts resume anyway')
+    kit.add_argument('--channels-last', action='store_true',
+                     help='train in channels-last (NHWC) memory format (measured in bench/RESULTS.md)')
+    kit.add_argument('--compile', action='store_true',
+                     help='torch.compile the model (slow first steps; measured in bench/RESULTS.md)')
     kit.add_argument('--demo-dir', type=Path, default=None,
                      help='where the demo dataset is generated when --data is not given (default: PROJECT/../demo-data)')
     return p
@@ -112,6 +117,10 @@ def check_options(opt, world_size: int):
         raise UsageError(f'--epochs {opt.epochs}: train for at least one epoch')
     if opt.ddp_timeout <= 0:
         raise UsageError('--ddp-timeout must be a positive number of seconds')
+    try:
+        levers_for(opt)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
     if opt.resume and opt.auto_resume:
         raise UsageError('give either --resume or --auto-resume, not both')
     for flag in ('data', 'hyp', 'weights'):

@@ -44,7 +44,7 @@ def set_epoch(loader, epoch):
     sampler.set_epoch(epoch)
 
 
-def make_loader(dataset, batch_size, workers, pin_memory, collate_fn, sampler=None, batch_sampler=None):
+def make_loader(dataset, batch_size, workers, levers, cuda, collate_fn, sampler=None, batch_sampler=None):
     rank = comm.get_rank()
     generator = torch.Generator()
     generator.manual_seed(WORKER_SEED_BASE + rank)
@@ -52,12 +52,13 @@ def make_loader(dataset, batch_size, workers, pin_memory, collate_fn, sampler=No
         {'batch_size': batch_size, 'sampler': sampler, 'drop_last': False}
     # persistent workers keep their state across epochs (what upstream's InfiniteDataLoader is for) and,
     # unlike it, see set_epoch() before the next epoch's indices are drawn
-    return DataLoader(dataset, num_workers=workers, pin_memory=pin_memory, collate_fn=collate_fn,
-                      worker_init_fn=seed_worker, generator=generator, persistent_workers=workers > 0,
-                      prefetch_factor=4 if workers > 0 else None, **batching)
+    return DataLoader(dataset, num_workers=workers, pin_memory=cuda and levers.pin_memory, collate_fn=collate_fn,
+                      worker_init_fn=seed_worker, generator=generator,
+                      persistent_workers=workers > 0 and levers.persistent_workers,
+                      prefetch_factor=levers.prefetch_factor if workers > 0 else None, **batching)
 
 
-def train_loader(path, imgsz, batch_per_rank, stride, opt, hyp, pin_memory, prefix):
+def train_loader(path, imgsz, batch_per_rank, stride, opt, hyp, levers, cuda, prefix):
     dataset = build_dataset(path, imgsz, batch_per_rank, stride, opt, hyp, augment=True, rect=opt.rect,
                             cache=None if opt.cache == 'val' else opt.cache, pad=0.0, prefix=prefix)
     rank, world = comm.get_rank(), comm.get_world_size()
@@ -65,14 +66,14 @@ def train_loader(path, imgsz, batch_per_rank, stride, opt, hyp, pin_memory, pref
     workers = loader_workers(opt.workers, batch_per_rank)
     if opt.rect:  # rectangular batches keep their shapes only if no rank mixes images of two batches
         shards = ShardBatchSampler(len(dataset), batch_per_rank, rank, world)
-        return make_loader(dataset, None, workers, pin_memory, collate, batch_sampler=shards), dataset
+        return make_loader(dataset, None, workers, levers, cuda, collate, batch_sampler=shards), dataset
     sampler = training_sampler(dataset, rank, world, opt.seed)
-    return make_loader(dataset, batch_per_rank, workers, pin_memory, collate, sampler=sampler), dataset
+    return make_loader(dataset, batch_per_rank, workers, levers, cuda, collate, sampler=sampler), dataset
 
 
-def val_loader(path, imgsz, batch_per_rank, stride, opt, pin_memory, prefix):
+def val_loader(path, imgsz, batch_per_rank, stride, opt, levers, cuda, prefix):
     dataset = build_dataset(path, imgsz, batch_per_rank, stride, opt, hyp=None, augment=False, rect=True,
                             cache=None if opt.noval else opt.cache, pad=0.5, prefix=prefix)
     shards = ShardBatchSampler(len(dataset), batch_per_rank, comm.get_rank(), comm.get_world_size())
     workers = loader_workers(opt.workers * 2, batch_per_rank)
-    return make_loader(dataset, None, workers, pin_memory, LoadImagesAndLabels.collate_fn, batch_sampler=shards)
+    return make_loader(dataset, None, workers, levers, cuda, LoadImagesAndLabels.collate_fn, batch_sampler=shards)

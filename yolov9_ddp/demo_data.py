@@ -6,6 +6,7 @@ produce the same bytes, and a dataset folder is only ever replaced whole (built 
 """
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -51,15 +52,23 @@ def draw_image(spec: DemoSpec, split: str, index: int):
     return image, labels
 
 
-def _write_split(root: Path, spec: DemoSpec, split: str, count: int):
-    images, labels = root / 'images' / split, root / 'labels' / split
-    images.mkdir(parents=True)
-    labels.mkdir(parents=True)
-    for index in range(count):
-        image, rows = draw_image(spec, split, index)
-        cv2.imwrite(str(images / f'{split}_{index:06d}.jpg'), image)
-        (labels / f'{split}_{index:06d}.txt').write_text(''.join(
-            f'{c} {x:.6f} {y:.6f} {w:.6f} {h:.6f}\n' for c, x, y, w, h in rows))
+def _write_item(root: Path, spec: DemoSpec, split: str, index: int):
+    image, rows = draw_image(spec, split, index)
+    cv2.imwrite(str(root / 'images' / split / f'{split}_{index:06d}.jpg'), image)
+    (root / 'labels' / split / f'{split}_{index:06d}.txt').write_text(''.join(
+        f'{c} {x:.6f} {y:.6f} {w:.6f} {h:.6f}\n' for c, x, y, w, h in rows))
+
+
+def _write_split(root: Path, spec: DemoSpec, split: str, count: int, processes: int):
+    (root / 'images' / split).mkdir(parents=True)
+    (root / 'labels' / split).mkdir(parents=True)
+    jobs = [(root, spec, split, index) for index in range(count)]
+    if processes > 1 and count > 256:  # every item is independent of the others (its own seeded generator)
+        with multiprocessing.get_context('spawn').Pool(processes) as pool:
+            pool.starmap(_write_item, jobs, chunksize=64)
+    else:
+        for job in jobs:
+            _write_item(*job)
 
 
 def data_yaml_text(root: Path) -> str:
@@ -67,7 +76,7 @@ def data_yaml_text(root: Path) -> str:
     return f'path: {root}\ntrain: images/train\nval: images/val\nnames:\n{names}'
 
 
-def ensure_demo_dataset(root, spec: DemoSpec = DemoSpec(), log=print) -> Path:
+def ensure_demo_dataset(root, spec: DemoSpec = DemoSpec(), log=print, processes: int = 1) -> Path:
     """Return root/data.yaml, generating the dataset first unless root already holds this spec."""
     root = Path(root).resolve()
     spec_file = root / SPEC_FILE
@@ -79,8 +88,8 @@ def ensure_demo_dataset(root, spec: DemoSpec = DemoSpec(), log=print) -> Path:
     root.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f'.{root.name}.', dir=root.parent))
     try:
-        _write_split(work, spec, 'train', spec.train)
-        _write_split(work, spec, 'val', spec.val)
+        _write_split(work, spec, 'train', spec.train, processes)
+        _write_split(work, spec, 'val', spec.val, processes)
         (work / 'data.yaml').write_text(data_yaml_text(root))
         (work / SPEC_FILE).write_text(json.dumps(asdict(spec), sort_keys=True))
         if root.exists():
@@ -94,11 +103,12 @@ def ensure_demo_dataset(root, spec: DemoSpec = DemoSpec(), log=print) -> Path:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('root', type=Path, help='folder to create (data.yaml goes inside)')
+    parser.add_argument('--processes', type=int, default=os.cpu_count(), help='image writers in parallel')
     for field, default in asdict(DemoSpec()).items():
         parser.add_argument(f'--{field.replace("_", "-")}', type=int, default=default)
     args = parser.parse_args(argv)
-    spec = DemoSpec(**{k: v for k, v in vars(args).items() if k != 'root'})
-    print(ensure_demo_dataset(args.root, spec))
+    spec = DemoSpec(**{k: v for k, v in vars(args).items() if k not in ('root', 'processes')})
+    print(ensure_demo_dataset(args.root, spec, processes=args.processes))
 
 
 if __name__ == '__main__':

@@ -56,7 +56,6 @@ def probe_step(trainer):
     """
     model = trainer.raw_model
     model.load_state_dict(torch.load(CONFIG['init'], weights_only=True))
-    trainer.ema = dtd.ModelEMA(model)
     trainer.model.train()
     for m in model.modules():
         if isinstance(m, nn.BatchNorm2d):
