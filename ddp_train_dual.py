@@ -53,7 +53,7 @@ from utils.torch_utils import EarlyStopping, ModelEMA, smart_optimizer  # noqa: 
 from yolov9_ddp import checkpoint, cli, comm, data, runs  # noqa: E402
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset  # noqa: E402
 from yolov9_ddp.ema import EmaUpdater, synchronize_ema  # noqa: E402
-from yolov9_ddp.levers import levers_for  # noqa: E402
+from yolov9_ddp.levers import fused_optimizer, levers_for  # noqa: E402
 
 NOMINAL_BATCH = 64  # upstream's nbs: gradients are accumulated up to this many images per optimizer step
 EXIT_USAGE, EXIT_FAILED = 2, 1
@@ -134,14 +134,6 @@ def load_everywhere(path: Path, require_resume_state: bool) -> dict:
 def portable_copy(model):
     """A copy to save: in the default memory format, which upstream's fuse_conv_and_bn() (a .view) requires."""
     return deepcopy(model).to(memory_format=torch.contiguous_format)
-
-
-def fused(optimizer):
-    """The same optimizer with fused kernels: one launch per group, and GradScaler skips its found_inf sync."""
-    implementation = ('foreach', 'fused', 'differentiable')
-    groups = [{k: v for k, v in group.items() if k not in implementation} for group in optimizer.param_groups]
-    defaults = {k: v for k, v in optimizer.defaults.items() if k not in implementation}
-    return type(optimizer)(groups, **defaults, fused=True)
 
 
 def rank_local_buffers() -> dict:
@@ -249,7 +241,7 @@ class Trainer:
         hyp['weight_decay'] *= self.batch_size * self.accumulate / NOMINAL_BATCH
         self.optimizer = smart_optimizer(self.model, opt.optimizer, hyp['lr0'], hyp['momentum'], hyp['weight_decay'])
         if self.cuda and self.levers.fused_optimizer and opt.optimizer != 'LION':
-            self.optimizer = fused(self.optimizer)
+            self.optimizer = fused_optimizer(self.optimizer)
         epochs = opt.epochs
         if opt.cos_lr:
             self.lf = one_cycle(1, hyp['lrf'], epochs)
@@ -332,13 +324,20 @@ class Trainer:
             lr = [x['lr'] for x in self.optimizer.param_groups]
             self.scheduler.step()
             stop = self.end_epoch(epoch, mloss, lr)
+            memory = self.memory_report()  # a collective: every rank takes part
             LOGGER.info(f'epoch {epoch}: {len(self.dataset)} images in {trained - started:.1f} s '
                         f'({len(self.dataset) / (trained - started):.1f} img/s); validation {self.val_seconds:.1f} s, '
-                        f'epoch end {time.time() - trained:.1f} s')
+                        f'epoch end {time.time() - trained:.1f} s{memory}')
             if stop:
                 break
         LOGGER.info(f'\n{epoch - self.start_epoch + 1} epochs completed in {(time.time() - t0) / 3600:.3f} hours.')
         self.finish(epoch)
+
+    def memory_report(self) -> str:
+        if not self.cuda:
+            return ''
+        peaks = comm.all_gather_object(torch.cuda.max_memory_reserved(self.device) // 2 ** 20)
+        return '; peak reserved MiB per rank ' + ', '.join(map(str, peaks))
 
     def train_epoch(self, epoch):
         opt, dataset = self.opt, self.dataset

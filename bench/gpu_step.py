@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The GPU-only step ceiling: forward, loss, backward and optimizer step under AMP on a batch already on the GPU.
 
-Run from a patched YOLOv9 tree (it imports upstream's model and loss). Prints one JSON line with img/s for:
-upstream's settings (deterministic algorithms, NCHW, foreach SGD), the kit's defaults (cudnn autotuning, fused
-SGD) and the kit's defaults with --channels-last.
+Run from a patched YOLOv9 tree with the kit installed (it imports upstream's model and loss, and the kit's
+fused_optimizer). Prints one JSON line with img/s for upstream's settings (deterministic algorithms, NCHW,
+foreach SGD), then adding cudnn autotuning, the fused SGD and channels-last one after the other.
 """
 import argparse
 import json
@@ -21,10 +21,12 @@ import yaml  # noqa: E402
 from models.yolo import Model  # noqa: E402
 from utils.loss_tal_dual import ComputeLoss  # noqa: E402
 from utils.torch_utils import smart_optimizer  # noqa: E402
+from yolov9_ddp.levers import fused_optimizer  # noqa: E402
 
 CONFIGS = {'upstream': dict(benchmark=False, channels_last=False, fused=False),
-           'kit': dict(benchmark=True, channels_last=False, fused=True),
-           'kit+channels_last': dict(benchmark=True, channels_last=True, fused=True)}
+           'cudnn_benchmark': dict(benchmark=True, channels_last=False, fused=False),
+           'cudnn_benchmark+fused': dict(benchmark=True, channels_last=False, fused=True),
+           'cudnn_benchmark+fused+channels_last': dict(benchmark=True, channels_last=True, fused=True)}
 
 
 def fixed_batch(batch, imgsz, boxes=6):
@@ -45,9 +47,7 @@ def step_rate(cfg, batch, imgsz, benchmark, channels_last, fused, warmup=15, ste
     loss_fn = ComputeLoss(model)
     optimizer = smart_optimizer(model, 'SGD', 0.01, 0.937, 5e-4)
     if fused:
-        groups = [{k: v for k, v in g.items() if k not in ('foreach', 'fused', 'differentiable')}
-                  for g in optimizer.param_groups]
-        optimizer = torch.optim.SGD(groups, lr=0.01, momentum=0.937, nesterov=True, fused=True)
+        optimizer = fused_optimizer(optimizer)
     scaler = torch.amp.GradScaler('cuda')
     images, targets = fixed_batch(batch, imgsz)
     if channels_last:

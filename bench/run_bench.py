@@ -32,9 +32,9 @@ sys.path.insert(0, str(KIT))
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset  # noqa: E402
 
 NCCL_SAFETY = {'NCCL_NVLS_ENABLE': '0', 'TORCH_SYMM_MEM_DISABLE_MULTICAST': '1', 'NVSHMEM_DISABLE_NVLS': '1'}
-# Each lever of yolov9_ddp/levers.py switched against its default, one at a time (see YOLOV9_DDP_LEVERS).
-LEVER_ABLATIONS = ['pin_memory=0', 'persistent_workers=0', 'fused_optimizer=0', 'foreach_ema=0', 'bucket_view=0',
-                   'progress_every=1', 'cudnn_benchmark=0', 'channels_last=1', 'static_graph=1', 'compile=1']
+# Each lever of yolov9_ddp/levers.py switched away from its default, one at a time (see YOLOV9_DDP_LEVERS).
+LEVER_ABLATIONS = ['cudnn_benchmark=1', 'fused_optimizer=1', 'foreach_ema=0', 'progress_every=1', 'pin_memory=0',
+                   'persistent_workers=0', 'bucket_view=0', 'channels_last=1', 'static_graph=1', 'compile=1']
 
 
 class Bench:
@@ -44,6 +44,8 @@ class Bench:
         self.results_file = self.out / 'results.json'
         self.results = json.loads(self.results_file.read_text()) if self.results_file.exists() else {}
         self.work = Path(args.work)
+        self.logs = self.work / 'logs'  # full logs stay on the machine; results.json keeps the tails of failed runs
+        self.logs.mkdir(parents=True, exist_ok=True)
         self.upstream, self.kit = Path(args.trees).resolve() / 'upstream', Path(args.trees).resolve() / 'kit'
         self.env = {**os.environ, **NCCL_SAFETY, 'PYTHONUNBUFFERED': '1', 'MPLBACKEND': 'Agg'}
 
@@ -58,10 +60,15 @@ class Bench:
         spec = DemoSpec(train=train, val=val, imgsz=imgsz, max_objects=8)
         return ensure_demo_dataset(self.work / f'data-{train}-{val}-{imgsz}', spec, processes=os.cpu_count())
 
-    def train_cmd(self, script, gpus, data, cfg, batch_per_gpu, imgsz, epochs, name, extra=()):
+    def kit_workers(self, gpus):
+        """Ask the kit for as many workers as it allows: it sizes them from the CPUs per local rank."""
+        return os.cpu_count()
+
+    def train_cmd(self, script, gpus, data, cfg, batch_per_gpu, imgsz, epochs, name, extra=(), workers=None):
         a = self.args
+        workers = workers or (self.kit_workers(gpus) if script == 'ddp_train_dual.py' else a.workers)
         common = ['--data', data, '--cfg', cfg, '--hyp', 'data/hyps/hyp.scratch-high.yaml', '--epochs', epochs,
-                  '--batch-size', batch_per_gpu * gpus, '--imgsz', imgsz, '--workers', a.workers,
+                  '--batch-size', batch_per_gpu * gpus, '--imgsz', imgsz, '--workers', workers,
                   '--device', ','.join(str(i) for i in range(gpus)) if a.device != 'cpu' else 'cpu',
                   '--project', self.work / 'runs', '--name', name, '--exist-ok', '--noplots', *extra]
         launcher = [sys.executable] if gpus == 1 else \
@@ -75,7 +82,7 @@ class Bench:
         csv_path = self.work / 'runs' / name / 'results.csv'
         csv_path.unlink(missing_ok=True)
         sampler = MemorySampler() if self.args.device != 'cpu' else None
-        log = open(self.out / f'{name}.log', 'w')
+        log = open(self.logs / f'{name}.log', 'w')
         started = time.time()
         proc = subprocess.Popen(cmd, cwd=cwd, env=env or self.env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -87,9 +94,11 @@ class Bench:
                 if proc.poll() is not None and len(stamps) < rows_needed:
                     if count_rows(csv_path) >= rows_needed:
                         continue
-                    raise RuntimeError(f'{name} exited with {proc.returncode} after {len(stamps)} epochs')
+                    raise RuntimeError(f'{name} exited with {proc.returncode} after {len(stamps)} epochs: '
+                                       f'{log_tail(self.logs / f"{name}.log")}')
                 if time.time() - started > timeout:
-                    raise RuntimeError(f'{name} timed out after {len(stamps)} epochs')
+                    raise RuntimeError(f'{name} timed out after {len(stamps)} epochs: '
+                                       f'{log_tail(self.logs / f"{name}.log")}')
                 time.sleep(0.05)
         finally:
             stop(proc, marker=str(self.work / 'runs' / name))
@@ -98,7 +107,7 @@ class Bench:
         seconds = stamps[-1] - stamps[-2]
         result = {'img_per_s': round(images / seconds, 1), 'epoch_s': round(seconds, 2),
                   'first_epoch_end_s': round(stamps[0] - started, 1), 'peak_mem_mib': peaks,
-                  'kit_epoch_log': [line.strip() for line in (self.out / f'{name}.log').read_text(errors='replace')
+                  'kit_epoch_log': [line.strip() for line in (self.logs / f'{name}.log').read_text(errors='replace')
                                     .splitlines() if line.startswith('epoch ')][-2:]}
         print(f'   {name}: {result}', flush=True)
         return result
@@ -109,24 +118,26 @@ class Bench:
         a, gpus = self.args, self.args.gpus
         data = self.dataset(a.images, a.val_images, a.data_imgsz)
         runs = {}
-        for label, tree, script in (('upstream', self.upstream, 'train_dual.py'),
-                                    ('kit', self.kit, 'ddp_train_dual.py')):
-            for n in sorted({1, gpus}):
-                name = f'{label}-{n}gpu'
-                cmd = self.train_cmd(script, n, data, a.cfg, a.batch_per_gpu, a.imgsz, 3, name, ['--noval'])
-                runs[name] = {'gpus': n, 'global_batch': a.batch_per_gpu * n, 'command': ' '.join(cmd)}
-                try:
-                    runs[name].update(self.measure(name, cmd, tree, a.images))
-                    runs[name]['per_gpu_img_per_s'] = round(runs[name]['img_per_s'] / n, 1)
-                except RuntimeError as e:  # keep measuring the others
-                    runs[name]['error'] = str(e)
-                self.record('main', runs)
+        plan = [('upstream', self.upstream, 'train_dual.py', n, None) for n in sorted({1, gpus})]
+        plan += [('kit', self.kit, 'ddp_train_dual.py', n, None) for n in sorted({1, gpus})]
+        for label, tree, script, n, workers in plan:
+            name = f'{label}-{n}gpu' + (f'-w{workers}' if workers else '')
+            cmd = self.train_cmd(script, n, data, a.cfg, a.batch_per_gpu, a.imgsz, 3, name, ['--noval'], workers)
+            runs[name] = {'gpus': n, 'global_batch': a.batch_per_gpu * n, 'command': ' '.join(cmd)}
+            try:
+                runs[name].update(self.measure(name, cmd, tree, a.images))
+                runs[name]['per_gpu_img_per_s'] = round(runs[name]['img_per_s'] / n, 1)
+            except RuntimeError as e:  # keep measuring the others
+                runs[name]['error'] = str(e)
+            self.record('main', runs)
 
     def ceiling_section(self):
         cmd = [sys.executable, str(KIT / 'bench' / 'gpu_step.py'), '--cfg', self.args.cfg, '--batch',
                str(self.args.batch_per_gpu), '--imgsz', str(self.args.imgsz)]
         result = subprocess.run(cmd, cwd=self.kit, env=self.env, capture_output=True, text=True, timeout=300)
-        (self.out / 'ceiling.log').write_text(result.stdout + result.stderr)
+        (self.logs / 'ceiling.log').write_text(result.stdout + result.stderr)
+        if result.returncode:
+            raise RuntimeError(log_tail(self.logs / 'ceiling.log'))
         self.record('ceiling', json.loads(result.stdout.strip().splitlines()[-1]))
 
     def val_section(self):
@@ -134,7 +145,7 @@ class Bench:
         data = self.dataset(a.images, a.val_images, a.data_imgsz)
         timings = {}
         for n in sorted({1, a.gpus}):
-            out = self.out / f'val-{n}gpu.json'
+            out = self.logs / f'val-{n}gpu.json'
             args = [KIT / 'bench' / 'val_time.py', out, '--data', data, '--cfg', a.cfg, '--imgsz', a.imgsz,
                     '--batch-size', a.batch_per_gpu * n, '--workers', a.workers, '--device',
                     ','.join(str(i) for i in range(n)) if a.device != 'cpu' else 'cpu',
@@ -143,7 +154,9 @@ class Bench:
                 [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', n]
             result = subprocess.run([str(x) for x in [*launcher, *args]], cwd=self.kit, env=self.env,
                                     capture_output=True, text=True, timeout=400)
-            (self.out / f'val-{n}gpu.log').write_text(result.stdout + result.stderr)
+            (self.logs / f'val-{n}gpu.log').write_text(result.stdout + result.stderr)
+            if result.returncode:
+                raise RuntimeError(log_tail(self.logs / f'val-{n}gpu.log'))
             timings[f'{n}gpu'] = json.loads(out.read_text())
         self.record('validation', timings)
 
@@ -151,15 +164,15 @@ class Bench:
         a = self.args
         data = self.dataset(a.lever_images, a.val_images, a.data_imgsz)
         runs = {}
-        for ablation in ['defaults', *LEVER_ABLATIONS, f'workers={a.workers * 2}']:
+        for ablation in ['defaults', f'workers={a.workers}', *LEVER_ABLATIONS]:
             name = 'lever-' + ablation.replace('=', '-')
             extra = ['--noval']
             env = dict(self.env)
-            if ablation.startswith('workers='):
-                extra += ['--workers', ablation.split('=')[1]]
-            elif ablation != 'defaults':
+            workers = int(ablation.split('=')[1]) if ablation.startswith('workers=') else None
+            if ablation != 'defaults' and not workers:
                 env['YOLOV9_DDP_LEVERS'] = ablation
-            cmd = self.train_cmd('ddp_train_dual.py', a.gpus, data, a.cfg, a.batch_per_gpu, a.imgsz, 3, name, extra)
+            cmd = self.train_cmd('ddp_train_dual.py', a.gpus, data, a.cfg, a.batch_per_gpu, a.imgsz, 3, name, extra,
+                                 workers)
             try:
                 runs[ablation] = self.measure(name, cmd, self.kit, a.lever_images, env=env, timeout=240)
             except RuntimeError as e:  # keep measuring the others
@@ -176,7 +189,7 @@ class Bench:
             cmd = self.train_cmd('ddp_train_dual.py', n, data, tiny, a.parity_batch // n, a.parity_imgsz,
                                  a.parity_epochs, name)
             result = subprocess.run(cmd, cwd=self.kit, env=self.env, capture_output=True, text=True, timeout=500)
-            (self.out / f'{name}.log').write_text(result.stdout + result.stderr)
+            (self.logs / f'{name}.log').write_text(result.stdout + result.stderr)
             final = [line for line in (result.stdout + result.stderr).splitlines() if 'Final:' in line]
             runs[name] = {'gpus': n, 'global_batch': a.parity_batch, 'epochs': a.parity_epochs,
                           'returncode': result.returncode, 'final': final[-1] if final else None,
@@ -203,6 +216,11 @@ class MemorySampler:
         self.proc.terminate()
         self.thread.join(timeout=2)
         return self.peaks
+
+
+def log_tail(path: Path) -> str:
+    text = path.read_text(errors='replace').replace('\r', '\n') if path.exists() else ''
+    return '\n'.join(line for line in text.splitlines() if line.strip() and '%|' not in line)[-4000:]
 
 
 def count_rows(path: Path) -> int:
@@ -241,14 +259,14 @@ def main():
     p.add_argument('--cfg', default='models/detect/yolov9-s.yaml')
     p.add_argument('--images', type=int, default=4096)
     p.add_argument('--val-images', type=int, default=1000)
-    p.add_argument('--lever-images', type=int, default=2048)
+    p.add_argument('--lever-images', type=int, default=1024)
     p.add_argument('--data-imgsz', type=int, default=640)
     p.add_argument('--imgsz', type=int, default=640)
     p.add_argument('--batch-per-gpu', type=int, default=32)
-    p.add_argument('--workers', type=int, default=8)
+    p.add_argument('--workers', type=int, default=8, help="upstream's loader workers per process (FINDINGS.md)")
     p.add_argument('--parity-imgsz', type=int, default=256)
     p.add_argument('--parity-batch', type=int, default=64)
-    p.add_argument('--parity-epochs', type=int, default=10)
+    p.add_argument('--parity-epochs', type=int, default=6)
     args = p.parse_args()
     bench = Bench(args)
     sections = {'main': bench.main_section, 'ceiling': bench.ceiling_section, 'val': bench.val_section,

@@ -20,10 +20,17 @@ class DataError(Exception):
     """The dataset cannot be loaded (no images, no labels, unreadable files); the message names it."""
 
 
+CPUS_KEPT_PER_PROCESS = 4  # for the training process itself, its pin-memory thread and the system
+
+
 def loader_workers(requested: int, batch_size: int) -> int:
-    """Workers per process: the request, capped by this node's CPUs shared among its processes."""
-    per_process = max(1, (os.cpu_count() or 1) // comm.get_local_world_size())
-    return min(requested, per_process, batch_size if batch_size > 1 else 0)
+    """Workers per process: the request, capped by this node's CPUs per local process less a few kept free.
+
+    On 2 x H200 with 32 CPUs, 16 workers per process (32 in all, beside the 2 training processes) ran slower
+    than 8 per process: the augmentation pipeline is CPU-bound and oversubscribed CPUs thrash (bench/RESULTS.md).
+    """
+    per_process = (os.cpu_count() or 1) // comm.get_local_world_size() - CPUS_KEPT_PER_PROCESS
+    return min(requested, max(1, per_process), batch_size if batch_size > 1 else 0)
 
 
 def build_dataset(path, imgsz, batch_size, stride, opt, hyp, augment, rect, cache, pad, prefix):
