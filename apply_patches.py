@@ -8,16 +8,26 @@
   python apply_patches.py --refresh CLONE    rewrite patches/ from the commits on top of the pin in CLONE
   python apply_patches.py --commits CLONE    apply the series to CLONE as one commit per patch (to edit them)
 
+  --json       (with TARGET) print the report as JSON on stdout; progress goes to stderr
+  --markdown   (with --check) print the report as Markdown on stdout, for a CI job summary: a table of
+               the patches (status, detail), the touched files whose blob id changed, a one-line verdict
+
+On a tree that is not the pin, --check replays the series on a scratch copy and reports each patch:
+clean, offset (applies, moved), upstream (already contained: skipped), fuzz (applies only with
+reduced context), conflict (file, hunk, first mismatching line) or missing (file deleted or renamed).
+
 Exit status: 0 done (or nothing to do), 1 refused or failed (the tree is left as it was),
-2 bad command line, 3 (--check only) the tree is another upstream revision but every patch still applies.
+2 bad command line, 3 (--check only) the tree is another upstream revision but every patch still
+applies (clean, offset or upstream); fuzz, conflict or missing give 1.
 """
 import argparse
 import json
+import re
 import signal
 import sys
 from pathlib import Path
 
-from patchkit.applier import EXIT_FAILED, EXIT_OK, Applier
+from patchkit.applier import EXIT_FAILED, EXIT_MOVED, EXIT_OK, Applier
 from patchkit.pin import PinError, read_pin
 from patchkit.refresh import apply_as_commits, refresh
 from patchkit.series import SeriesError, read_series
@@ -25,6 +35,8 @@ from patchkit.tree import TreeError
 
 STATUS_MARKS = {'clean': 'ok', 'offset': 'ok (offset)', 'upstream': 'already upstream', 'fuzz': 'DRIFT (fuzz)',
                 'conflict': 'CONFLICT', 'missing': 'MISSING FILE'}
+VERDICTS = {EXIT_OK: 'pass', EXIT_MOVED: 'upstream moved, every patch still applies', EXIT_FAILED: 'fail'}
+MARKDOWN_SPECIAL = re.compile(r'([\\`*_|<>\[\]])')
 
 
 def parse_args(argv):
@@ -38,31 +50,75 @@ def parse_args(argv):
     mode.add_argument('--revert', action='store_true', help='take the series and the installed files back out')
     mode.add_argument('--refresh', metavar='CLONE', type=Path, help='regenerate patches/ from commits in CLONE')
     mode.add_argument('--commits', metavar='CLONE', type=Path, help='apply the series to CLONE as commits')
-    parser.add_argument('--json', action='store_true', help='print a machine-readable report on stdout')
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument('--json', action='store_true', help='print a machine-readable report on stdout')
+    output.add_argument('--markdown', action='store_true', help='with --check: print the report as Markdown')
     args = parser.parse_args(argv)
     maintainer_mode = args.refresh or args.commits
     if maintainer_mode and args.target:
         parser.error('--refresh and --commits take a clone, not a TARGET')
     if not maintainer_mode and not args.target:
         parser.error('give the TARGET folder (a YOLOv9 clone)')
+    if args.markdown and not args.check:
+        parser.error('--markdown renders the report of --check')
     return args
 
 
-def print_report(report, log):
-    log(f"{report['target']}: {report['state']} (pin {report['pin'][:7]}); {report.get('action', '')}".rstrip('; '))
+# -- reports: the rows are computed once and rendered as text or as Markdown ----------------------
+
+def patch_rows(report) -> list:
+    """(patch, status, detail) per patch: its drift status where the tree was replayed, else applied or not."""
+    rows = []
     for patch in report.get('drift') or report['patches']:
-        status = STATUS_MARKS.get(patch['status'], patch['status'])
         detail = patch.get('detail', '')
         if patch.get('mismatch_line'):
             detail = (f"{patch['file']} hunk {patch['hunk']}, line {patch['mismatch_line']}: expected "
                       f"{patch['expected_text'].strip()!r}, found {patch['found_text'].strip()!r}")
-        log(f"  {patch['name']:<64} {status}{'  ' + detail if detail else ''}")
-    for f in report['files']:
-        if not f['matches'] and report['state'] not in ('applied', 'partial'):
-            log(f"  {f['path']}: blob {f['found'] or '(missing)'}, pinned {f['expected']}")
+        rows.append((patch['name'], STATUS_MARKS.get(patch['status'], patch['status']), detail))
+    return rows
+
+
+def changed_blobs(report) -> list:
+    """Touched files whose blob id is not the pinned one (an applied tree differs by design: none listed)."""
+    return [] if report['state'] == 'applied' else [f for f in report['files'] if not f['matches']]
+
+
+def verdict(code) -> str:
+    return f"{VERDICTS.get(code, 'fail')} (exit {code})"
+
+
+def print_report(report, log):
+    log(f"{report['target']}: {report['state']} (pin {report['pin'][:7]}); {report.get('action', '')}".rstrip('; '))
+    for name, status, detail in patch_rows(report):
+        log(f"  {name:<64} {status}{'  ' + detail if detail else ''}")
+    for f in changed_blobs(report):
+        log(f"  {f['path']}: blob {f['found'] or '(missing)'}, pinned {f['expected']}")
     for f in report.get('installed', []):
         if isinstance(f, dict):
             log(f"  installed {f['path']}: {f['status']}")
+
+
+def md(text) -> str:
+    """text as one Markdown table cell: literal, on one line."""
+    return MARKDOWN_SPECIAL.sub(r'\\\1', str(text)).replace('\n', ' ')
+
+
+def markdown_report(report, code) -> str:
+    lines = [f"### yolov9-ddp check of {md(report['target'])}", '',
+             f"Pinned upstream {report['pin'][:7]}; the touched files are **{report['state']}**.", '',
+             '| patch | status | detail |', '|---|---|---|',
+             *(f'| {md(name)} | {md(status)} | {md(detail)} |' for name, status, detail in patch_rows(report))]
+    changed = changed_blobs(report)
+    if changed:
+        lines += ['', 'Touched files whose blob id differs from the pin:', '',
+                  '| file | pinned blob | found |', '|---|---|---|',
+                  *(f"| {md(f['path'])} | {f['expected']} | {f['found'] or 'missing'} |" for f in changed)]
+    lines += ['', f"**Verdict: {verdict(code)}**: {md(report['action'])}"]
+    return '\n'.join(lines)
+
+
+def markdown_error(target, message) -> str:
+    return f'### yolov9-ddp check of {md(target)}\n\n**Verdict: {verdict(EXIT_FAILED)}**: {md(message)}'
 
 
 def run(args, log):
@@ -87,24 +143,29 @@ def interrupt(signum, frame):
 def main(argv=None):
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, interrupt)
-    # With --json, stdout carries only the JSON document; progress goes to stderr.
-    log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
+    # With --json or --markdown, stdout carries only that document; progress goes to stderr.
+    log = (lambda msg: print(msg, file=sys.stderr)) if args.json or args.markdown else print
     try:
         report, code = run(args, log)
     except (TreeError, PinError, SeriesError) as e:
+        hint = getattr(e, 'hint', '')
         print(f'apply_patches.py: error: {e}', file=sys.stderr)
-        if getattr(e, 'hint', ''):
-            print(f'apply_patches.py: hint: {e.hint}', file=sys.stderr)
+        if hint:
+            print(f'apply_patches.py: hint: {hint}', file=sys.stderr)
         if args.json:
-            print(json.dumps({'ok': False, 'error': str(e), 'hint': getattr(e, 'hint', '')}, indent=1))
+            print(json.dumps({'ok': False, 'exit': EXIT_FAILED, 'error': str(e), 'hint': hint}, indent=1))
+        elif args.markdown:
+            print(markdown_error(args.target, f'{e}. {hint}'.strip()))
         return EXIT_FAILED
     except KeyboardInterrupt:
         print('apply_patches.py: interrupted; the tree is as it was before this run', file=sys.stderr)
         return 130
     if report is not None:
-        report['ok'] = code == EXIT_OK
+        report.update(ok=code == EXIT_OK, exit=code)
         if args.json:
             print(json.dumps(report, indent=1))
+        elif args.markdown:
+            print(markdown_report(report, code))
         else:
             print_report(report, log)
     return code

@@ -76,7 +76,11 @@ class Applier:
         return report, EXIT_OK
 
     def check(self):
-        """Dry run: EXIT_OK if apply would succeed (or has nothing to do), else why not."""
+        """Dry run: EXIT_OK if apply would succeed (or has nothing to do), EXIT_MOVED if the tree is another
+        upstream revision on which every patch still passes (see drift.PASSES), else EXIT_FAILED.
+
+        Any tree that is neither the pin nor fully applied gets the drift report ('drift': one entry per patch).
+        """
         check_is_yolov9_tree(self.target)
         state = inspect_tree(self.target, self.pin, self.patches)
         report = self.base_report(state)
@@ -88,14 +92,23 @@ class Applier:
         if state.kind == 'applied':
             report['action'] = 'would update the installed kit files' if installs else 'nothing to do: already applied'
             return report, EXIT_OK
+        report['drift'] = drift.replay_series(self.target, self.patches)
         if state.kind == 'partial':
             report['action'] = 'would refuse: ' + self.partial_message(state)
+            if self.may_be_another_revision(state):
+                report['action'] += ('; or this is another upstream revision that already contains those fixes '
+                                     '(no git history tells the two apart): see the drift report')
             return report, EXIT_FAILED
-        report['drift'] = drift.replay_series(self.target, self.patches)
-        moved = all(r['status'] in drift.PASSING + ('upstream',) for r in report['drift'])
+        failing = [f"{r['name']} ({r['status']})" for r in report['drift'] if not r['passes']]
+        if failing:
+            report['action'] = 'would refuse: the tree is not the pin and the series does not apply: ' + \
+                ', '.join(failing)
+            return report, EXIT_FAILED
+        moved = [r['status'] for r in report['drift'] if r['status'] != 'clean']
+        counts = ', '.join(f'{moved.count(status)} {status}' for status in drift.PASSES if status in moved)
         report['action'] = ('would refuse: the tree is not the pin, though every patch still applies'
-                            if moved else 'would refuse: the tree is not the pin and the series does not apply')
-        return report, EXIT_MOVED if moved else EXIT_FAILED
+                            + (f' ({counts})' if counts else ''))
+        return report, EXIT_MOVED
 
     def apply(self):
         check_is_yolov9_tree(self.target)
@@ -104,8 +117,11 @@ class Applier:
             state = inspect_tree(self.target, self.pin, self.patches)
             report = self.base_report(state)
             if state.kind == 'partial':
-                raise TreeError(self.partial_message(state),
-                                'run apply_patches.py --revert TARGET, then apply again')
+                hint = 'run apply_patches.py --revert TARGET, then apply again'
+                if self.may_be_another_revision(state):
+                    hint = (f'if you applied them by hand, {hint}; if this is another upstream revision, see '
+                            f'"When upstream moves" in the README')
+                raise TreeError(self.partial_message(state), hint)
             if state.kind == 'modified':
                 raise self.mismatch_error(state)
             installs = self.pending_installs()
@@ -171,8 +187,14 @@ class Applier:
 
     def partial_message(self, state):
         names = [p.name for p in self.patches]
-        return (f'the series is half-applied: {names[0]}..{names[state.applied - 1]} are applied, '
-                f'{names[state.applied]}.. are not')
+        applied = names[0] if state.applied == 1 else f'{names[0]}..{names[state.applied - 1]}'
+        return f'the series is half-applied: {applied} applied, {names[state.applied]}.. not'
+
+    @staticmethod
+    def may_be_another_revision(state) -> bool:
+        """Whether a 'partial' tree may be another upstream revision: only a git repository whose HEAD holds
+        the pinned files proves that the prefix of the series was applied on top of the pin."""
+        return not all(f.committed == f.expected for f in state.files)
 
     def pending_installs(self) -> dict:
         """Kit files whose installed copy is missing or differs; refuses to overwrite files it did not install."""

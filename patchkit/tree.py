@@ -213,13 +213,30 @@ def applied_prefix(target: Path, pin, patches) -> int:
     return None
 
 
+def is_committed_revision(target: Path, files) -> bool:
+    """The touched files are exactly as HEAD of a git repository has them, and HEAD's are not the pin's.
+
+    Such a tree is another upstream revision, whatever it shares with the series: apply_patches.py
+    never leaves part of the series in a tree (every change is all-or-nothing), so a committed prefix of
+    the series is upstream (or someone) having merged those fixes, not a half-applied series.
+    """
+    return (is_repository_root(target) and all(f.found == f.committed for f in files)
+            and any(f.committed != f.expected for f in files))
+
+
 def inspect_tree(target: Path, pin, patches) -> TreeState:
+    """'pristine' (the pin), 'applied' (pin + the whole series), 'partial' (pin + a prefix of the series,
+    unless is_committed_revision) or 'modified' (anything else: another upstream revision, or edits).
+
+    A folder without .git that holds pin + a prefix cannot be told from another upstream revision that
+    merged those fixes; it is reported 'partial', and apply_patches.py --check names both readings.
+    """
     files = check_files(target, pin)
     if all(f.matches for f in files):
         return TreeState('pristine', 0, files)
     k = applied_prefix(target, pin, patches)
     if k == len(patches):
         return TreeState('applied', k, files)
-    if k:
+    if k and not is_committed_revision(target, files):
         return TreeState('partial', k, files)
     return TreeState('modified', 0, files)
