@@ -50,13 +50,15 @@ from utils.loggers import Loggers  # noqa: E402
 from utils.loss_tal_dual import ComputeLoss  # noqa: E402
 from utils.metrics import fitness  # noqa: E402
 from utils.torch_utils import EarlyStopping, ModelEMA, smart_optimizer  # noqa: E402
-from yolov9_ddp import checkpoint, cli, comm, data, runs  # noqa: E402
+from yolov9_ddp import checkpoint, cli, comm, data, runs, shutdown  # noqa: E402
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset  # noqa: E402
 from yolov9_ddp.ema import EmaUpdater, synchronize_ema  # noqa: E402
 from yolov9_ddp.levers import fused_optimizer, levers_for  # noqa: E402
 
 NOMINAL_BATCH = 64  # upstream's nbs: gradients are accumulated up to this many images per optimizer step
 EXIT_USAGE, EXIT_FAILED = 2, 1
+# gloo reports a collective that outlived the process group's timeout as a plain RuntimeError
+TIMEOUT_WORDS = ('timed out', 'timeout')
 KIT_ERRORS = (cli.UsageError, comm.LaunchError, checkpoint.CheckpointError, comm.PeerFailed, data.DataError)
 
 
@@ -98,10 +100,13 @@ def restore_resumed_options(opt, plan):
     saved = plan.save_dir / 'opt.yaml'
     if not saved.is_file():
         raise checkpoint.CheckpointError(f'{saved} is missing: cannot resume the run in {plan.save_dir}')
-    launch = {k: getattr(opt, k) for k in ('device', 'workers', 'ddp_timeout', 'local_rank', 'auto_resume')}
+    launch = {k: getattr(opt, k) for k in ('device', 'workers', 'ddp_timeout', 'local_rank', 'auto_resume',
+                                           'save_on_signal', 'channels_last', 'compile')}
     restored = yaml.safe_load(saved.read_text())
     vars(opt).update(restored, **launch)
-    opt.resume, opt.weights, opt.cfg = True, str(plan.resume_from), ''  # the model comes from the checkpoint
+    opt.resume, opt.weights = True, str(plan.resume_from)
+    if opt.cfg and not Path(opt.cfg).is_file():  # a relative path from another folder: the checkpoint's own yaml
+        opt.cfg = ''
 
 
 def plan_and_create_run(opt) -> runs.RunPlan:
@@ -119,16 +124,25 @@ def plan_and_create_run(opt) -> runs.RunPlan:
     return comm.broadcast_object(plan)
 
 
-def load_everywhere(path: Path, require_resume_state: bool) -> dict:
-    """Rank 0 reads the checkpoint and sends it to the others (nodes need not share a filesystem)."""
+def load_everywhere(load) -> dict:
+    """Rank 0 reads a checkpoint with load() and sends it to the others (nodes need not share a filesystem)."""
     ckpt, error = None, None
     if comm.is_primary():
         try:
-            ckpt = checkpoint.load_checkpoint(path, require_resume_state)
+            ckpt = load()
         except checkpoint.CheckpointError as e:
             error = e
     comm.raise_if_any_failed(error)
     return comm.broadcast_object(ckpt)
+
+
+def load_exactly(model, saved, source):
+    """A resume continues the same model: every tensor must match, or the checkpoint belongs to another model."""
+    try:
+        model.load_state_dict(saved.float().state_dict(), strict=True)
+    except RuntimeError as e:
+        detail = ' '.join(str(e).split())[:300]
+        raise checkpoint.CheckpointError(f'{source} holds another model than this run ({detail})') from e
 
 
 def portable_copy(model):
@@ -157,6 +171,7 @@ class Trainer:
         self.weights_dir = self.save_dir / 'weights'
         self.last, self.best = self.weights_dir / 'last.pt', self.weights_dir / 'best.pt'
         self.callbacks = Callbacks()  # actions registered on rank 0 only: other ranks log nothing
+        self.stop = shutdown.StopRequest()
         self.levers = levers_for(opt)
         self.cuda = device.type == 'cuda'
         self.best_fitness, self.start_epoch = 0.0, 0
@@ -180,7 +195,7 @@ class Trainer:
         self.nc = 1 if opt.single_cls else int(self.data_dict['nc'])
         names = self.data_dict['names']
         self.names = {0: 'item'} if opt.single_cls and len(names) != 1 else names
-        ckpt = load_everywhere(Path(opt.weights), opt.resume) if opt.weights.endswith('.pt') else None
+        ckpt = load_everywhere(self.initial_checkpoint) if opt.weights.endswith('.pt') else None
         self.build_model(ckpt)
         self.amp = self.cuda  # upstream's check_amp() passes on every CUDA device
         gs = max(int(self.model.stride.max()), 32)
@@ -197,6 +212,14 @@ class Trainer:
         del ckpt
         self.compute_loss = ComputeLoss(self.raw_model)
         self.init_loop_state()
+
+    def initial_checkpoint(self):
+        path = Path(self.opt.weights)
+        if not self.opt.resume:
+            return checkpoint.load_checkpoint(path)
+        ckpt, source = checkpoint.load_for_resume(path, LOGGER.warning)
+        self.opt.weights = str(source)
+        return ckpt
 
     def check_data(self):
         try:
@@ -216,8 +239,10 @@ class Trainer:
         opt, hyp = self.opt, self.hyp
         cfg = opt.cfg or ckpt['model'].yaml
         model = Model(cfg, ch=3, nc=self.nc, anchors=hyp.get('anchors')).to(self.device)
-        if ckpt is not None:
-            exclude = ['anchor'] if (opt.cfg or hyp.get('anchors')) and not opt.resume else []
+        if ckpt is not None and opt.resume:
+            load_exactly(model, ckpt['model'], opt.weights)
+        elif ckpt is not None:  # pretrained weights: transfer what fits, as upstream
+            exclude = ['anchor'] if opt.cfg or hyp.get('anchors') else []
             state = intersect_dicts(ckpt['model'].float().state_dict(), model.state_dict(), exclude=exclude)
             model.load_state_dict(state, strict=False)
             LOGGER.info(f'Transferred {len(state)}/{len(model.state_dict())} items from {opt.weights}')
@@ -333,6 +358,15 @@ class Trainer:
         LOGGER.info(f'\n{epoch - self.start_epoch + 1} epochs completed in {(time.time() - t0) / 3600:.3f} hours.')
         self.finish(epoch)
 
+    def interrupt(self, signum, epoch):
+        """Every rank stops after the same step; rank 0 first saves that step's state if --save-on-signal."""
+        saved = None
+        if self.primary and self.opt.save_on_signal:
+            # epoch - 1 is the last complete epoch: a resume runs this epoch again from these weights
+            self.save(epoch - 1, fitness_of=None, final_epoch=False)
+            saved = self.last
+        raise shutdown.Interrupted(signum, saved)
+
     def memory_report(self) -> str:
         if not self.cuda:
             return ''
@@ -362,6 +396,9 @@ class Trainer:
                 imgs = imgs.contiguous(memory_format=torch.channels_last)
             loss_items = self.train_step(ni, epoch, imgs, targets.to(self.device, non_blocking=self.levers.pin_memory))
             mloss = (mloss * i + loss_items) / (i + 1)
+            signum = self.stop.agreed(i)
+            if signum:
+                self.interrupt(signum, epoch)
             if self.primary:
                 if i % self.levers.progress_every == 0 or i == self.nb - 1:  # formatting the losses syncs the GPU
                     mem = f'{torch.cuda.memory_reserved() / 1E9 if torch.cuda.is_available() else 0:.3g}G'
@@ -448,8 +485,11 @@ class Trainer:
                             callbacks=self.callbacks, compute_loss=self.compute_loss if compute_loss else None,
                             distributed=self.world > 1)
 
-    def save(self, epoch, fi, final_epoch):
-        """Rank 0: everything a resume needs, written atomically (yolov9_ddp.checkpoint.save_atomic)."""
+    def save(self, epoch, fitness_of, final_epoch):
+        """Rank 0: everything a resume needs, written atomically (yolov9_ddp.checkpoint.save_atomic).
+
+        fitness_of is this epoch's fitness; None for the state of an interrupted epoch, which is never best.pt.
+        """
         ckpt = {
             'epoch': epoch,
             'best_fitness': self.best_fitness,
@@ -462,22 +502,24 @@ class Trainer:
             'git': None,
             'date': datetime.now().isoformat(),
             'format': checkpoint.FORMAT}
-        checkpoint.save_atomic(ckpt, self.last)
-        if self.best_fitness == fi:
+        checkpoint.save_atomic(ckpt, self.last, keep_previous=True)
+        runs.write_record(self.save_dir, saved_epoch=epoch)
+        if fitness_of is not None and self.best_fitness == fitness_of:
             checkpoint.save_atomic(ckpt, self.best)
         if self.opt.save_period > 0 and epoch % self.opt.save_period == 0:
             checkpoint.save_atomic(ckpt, self.weights_dir / f'epoch{epoch}.pt')
-        self.callbacks.run('on_model_save', self.last, epoch, final_epoch, self.best_fitness, fi)
+        self.callbacks.run('on_model_save', self.last, epoch, final_epoch, self.best_fitness, fitness_of)
 
     def finish(self, epoch):
         """Strip the checkpoints (rank 0), validate best.pt on all ranks with plots, report the mAP."""
         if self.primary:
             runs.write_record(self.save_dir, finished=True)
+            checkpoint.previous_path(self.last).unlink(missing_ok=True)  # only needed while training can resume
             for f in (self.last, self.best):
                 if f.exists():
                     strip_optimizer(f)
         if comm.broadcast_object(self.best.exists()):
-            best = load_everywhere(self.best, require_resume_state=False)
+            best = load_everywhere(lambda: checkpoint.load_checkpoint(self.best))
             model = best['model'].to(self.device).float().fuse().eval()
             LOGGER.info(f'\nValidating {self.best}...')
             self.results, _, _ = self.validate(model.half() if self.amp else model, plots=not self.opt.noplots)
@@ -511,13 +553,17 @@ def prepare_trainer(opt, device):
 
 def train(opt, device):
     trainer = prepare_trainer(opt, device)
-    if trainer is not None:
+    if trainer is None:
+        return
+    try:
         trainer.fit()
+    finally:
+        trainer.stop.close()
 
 
 def report(error: BaseException):
     """One line per failure: from the rank that saw it (rank 0 for errors every rank sees the same way)."""
-    rank = comm.get_rank() if comm.is_distributed() else int(os.environ.get('RANK', 0))
+    rank = comm.launched_rank()
     seen_alike_by = {cli.UsageError: rank, comm.LaunchError: comm.get_local_rank()}  # every rank / every process
     if isinstance(error, comm.PeerFailed) or seen_alike_by.get(type(error), 0) != 0:  # of a node sees it the same
         return
@@ -538,7 +584,13 @@ def main(argv=None) -> int:
     except KIT_ERRORS as e:
         report(e)
         return EXIT_FAILED
-    except dist.DistError as e:
+    except shutdown.Interrupted as e:
+        if comm.launched_rank() == 0:
+            print(f'ddp_train_dual.py: {e}', file=sys.stderr, flush=True)
+        return e.exit_status
+    except (dist.DistError, RuntimeError) as e:
+        if not isinstance(e, dist.DistError) and not any(w in str(e).lower() for w in TIMEOUT_WORDS):
+            raise
         report(RuntimeError(f'a collective operation failed or timed out ({str(e).splitlines()[0][:200]}); '
                             f'a rank may have died or stalled; the limit is --ddp-timeout {opt.ddp_timeout:g} s'))
         return EXIT_FAILED

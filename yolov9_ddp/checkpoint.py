@@ -21,7 +21,8 @@ class CheckpointError(Exception):
     """A checkpoint file that cannot be used; the message names the file and the reason."""
 
 
-def save_atomic(obj, path: Path):
+def save_atomic(obj, path: Path, keep_previous=False):
+    """Write obj to path in one rename; with keep_previous the file it replaces stays as previous_path(path)."""
     path = Path(path)
     tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
     try:
@@ -29,11 +30,18 @@ def save_atomic(obj, path: Path):
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        if keep_previous and path.exists():
+            os.replace(path, previous_path(path))  # a crash right after this leaves the previous one to resume from
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def previous_path(path: Path) -> Path:
+    """Where save_atomic(keep_previous=True) keeps the checkpoint it replaced: last.pt -> last.previous.pt."""
+    return path.with_name(f'{path.stem}.previous{path.suffix}')
 
 
 def fsync_dir(folder: Path):
@@ -63,8 +71,23 @@ def load_checkpoint(path: Path, require_resume_state=False) -> dict:
     if not isinstance(ckpt, dict) or 'model' not in ckpt:
         raise CheckpointError(f'{path} is not a YOLOv9 checkpoint (no model in it)')
     if require_resume_state:
-        missing = [k for k in RESUME_KEYS if ckpt.get(k) is None]
-        if missing or ckpt.get('epoch', -1) < 0:
-            raise CheckpointError(f'{path} cannot be resumed: it lacks {", ".join(missing) or "a training epoch"} '
+        missing = [k for k in RESUME_KEYS if ckpt.get(k) is None]  # a final checkpoint is stripped of them
+        if missing:
+            raise CheckpointError(f'{path} cannot be resumed: it lacks {", ".join(missing)} '
                                   f'(a stripped final checkpoint?)')
     return ckpt
+
+
+def load_for_resume(path: Path, log) -> tuple:
+    """(checkpoint, the file it came from): path, or the checkpoint it replaced when path is unusable."""
+    try:
+        return load_checkpoint(path, require_resume_state=True), path
+    except CheckpointError as error:
+        previous = previous_path(path)
+        if not previous.is_file():
+            raise
+        log(f'WARNING: {error}; resuming from {previous} instead (one checkpoint earlier)')
+        try:
+            return load_checkpoint(previous, require_resume_state=True), previous
+        except CheckpointError as second:
+            raise CheckpointError(f'{error}; and {second}') from second

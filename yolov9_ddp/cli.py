@@ -78,6 +78,9 @@ def build_parser(root: Path) -> argparse.ArgumentParser:
     kit.add_argument('--auto-resume', action='store_true',
                      help='continue PROJECT/NAME from its last checkpoint if it holds an unfinished run, else start '
                           'there (for schedulers that requeue the same command); torchrun restarts resume anyway')
+    kit.add_argument('--save-on-signal', action='store_true',
+                     help='on SIGTERM/SIGINT, stop all ranks after the same step and write a resumable last.pt '
+                          '(without it the run stops cleanly and resumes from its last complete epoch)')
     kit.add_argument('--channels-last', action='store_true',
                      help='train in channels-last (NHWC) memory format (measured in bench/RESULTS.md)')
     kit.add_argument('--compile', action='store_true',

@@ -46,6 +46,11 @@ def is_primary() -> bool:
     return get_rank() == 0
 
 
+def launched_rank() -> int:
+    """RANK as set by the launcher: still right after the process group is gone."""
+    return int(os.environ.get('RANK', 0))
+
+
 def launched_world_size() -> int:
     """WORLD_SIZE as set by the launcher, before any process group exists."""
     return int(os.environ.get('WORLD_SIZE', 1))
@@ -87,13 +92,18 @@ def average_tensors_(tensors):
         offset += t.numel()
 
 
+def max_over_ranks(value: int) -> int:
+    """The largest of every rank's value, on every rank."""
+    if not is_distributed():
+        return value
+    tensor = torch.tensor([value], device=collective_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank when flag is True on at least one (used to stop all ranks together)."""
-    if not is_distributed():
-        return flag
-    value = torch.tensor([int(flag)], device=collective_device())
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+    return bool(max_over_ranks(int(flag)))
 
 
 def raise_if_any_failed(error: BaseException = None):

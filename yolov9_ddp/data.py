@@ -5,12 +5,13 @@ first (it writes the cache once for a shared folder), then the first process of 
 (it writes one where the folder is node-local), then everyone else (they read the cache).
 """
 import os
+import signal
 
 import torch
 from torch.utils.data import DataLoader
 
 from utils.dataloaders import LoadImagesAndLabels, seed_worker
-from yolov9_ddp import comm
+from yolov9_ddp import comm, shutdown
 from yolov9_ddp.samplers import ShardBatchSampler, training_sampler
 
 WORKER_SEED_BASE = 6148914691236517205  # upstream's generator seed base; + rank, so ranks augment differently
@@ -51,6 +52,14 @@ def set_epoch(loader, epoch):
     sampler.set_epoch(epoch)
 
 
+def init_worker(worker_id):
+    """Loader workers leave SIGTERM/SIGINT to their training process, which stops them when it stops
+    (torchrun signals the whole process group; a worker dying first would crash its trainer mid-step)."""
+    for signum in shutdown.HANDLED:
+        signal.signal(signum, signal.SIG_IGN)
+    seed_worker(worker_id)
+
+
 def make_loader(dataset, batch_size, workers, levers, cuda, collate_fn, sampler=None, batch_sampler=None):
     rank = comm.get_rank()
     generator = torch.Generator()
@@ -60,7 +69,7 @@ def make_loader(dataset, batch_size, workers, levers, cuda, collate_fn, sampler=
     # persistent workers keep their state across epochs (what upstream's InfiniteDataLoader is for) and,
     # unlike it, see set_epoch() before the next epoch's indices are drawn
     return DataLoader(dataset, num_workers=workers, pin_memory=cuda and levers.pin_memory, collate_fn=collate_fn,
-                      worker_init_fn=seed_worker, generator=generator,
+                      worker_init_fn=init_worker, generator=generator,
                       persistent_workers=workers > 0 and levers.persistent_workers,
                       prefetch_factor=levers.prefetch_factor if workers > 0 else None, **batching)
 

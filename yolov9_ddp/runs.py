@@ -9,14 +9,14 @@ Only global rank 0 decides (and creates the folder); the decision is broadcast t
                        run.json and the run continues from its last checkpoint instead of starting over
   otherwise            a new PROJECT/NAME{,2,3,...} folder, as upstream's increment_path
 
-run.json in the folder records the launcher's job id and whether training finished.
+run.json in the folder records the launcher's job id, the last epoch saved and whether training finished.
 """
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from yolov9_ddp.checkpoint import CheckpointError, fsync_dir
+from yolov9_ddp.checkpoint import CheckpointError, fsync_dir, previous_path
 
 RUN_RECORD = 'run.json'
 
@@ -71,7 +71,12 @@ def continue_in(folder: Path, reason: str) -> RunPlan:
     last = folder / 'weights' / 'last.pt'
     if record.get('finished'):
         return RunPlan(folder, None, True, f'{reason}: training in {folder} already finished')
-    return RunPlan(folder, last if last.is_file() else None, False, reason)
+    if last.is_file() or previous_path(last).is_file():
+        return RunPlan(folder, last, False, reason)  # load_for_resume() falls back to the previous one
+    if record.get('saved_epoch') is not None:  # never start over silently when checkpoints were written
+        raise CheckpointError(f'{folder}/run.json records a checkpoint of epoch {record["saved_epoch"]}, but '
+                              f'{last} and {previous_path(last).name} are gone; restore one or start a new run')
+    return RunPlan(folder, None, False, f'{reason} (no checkpoint yet: starting over in the same folder)')
 
 
 def plan_run(opt, latest_run, increment_path) -> RunPlan:

@@ -1,0 +1,49 @@
+"""Clean shutdown on SIGTERM / SIGINT (a scheduler's pre-emption, Ctrl-C, torchrun stopping its workers).
+
+The handler only records the signal. Every CHECK_EVERY steps all ranks learn, in one tiny all_reduce, whether
+any of them was signalled, so they all stop after the same step: none is left waiting in a collective for a
+rank that has gone. Then, where --save-on-signal asks for it, rank 0 writes a resumable checkpoint of that
+step boundary, and the process group is destroyed on the way out (comm.process_group). A second signal
+interrupts at once.
+"""
+import signal
+
+from yolov9_ddp import comm
+
+CHECK_EVERY = 10  # steps; the check is a small all_reduce and a GPU sync, so not every step
+HANDLED = (signal.SIGTERM, signal.SIGINT)
+
+
+class Interrupted(Exception):
+    """Training stopped on a signal; exit status 128 + signal number, as a shell reports a signal death."""
+
+    def __init__(self, signum: int, saved=None):
+        self.signum, self.saved = signum, saved
+        name = signal.Signals(signum).name
+        super().__init__(f'stopped on {name}' + (f'; resumable checkpoint written to {saved}' if saved else
+                                                 '; no checkpoint written for the interrupted epoch'))
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum
+
+
+class StopRequest:
+    def __init__(self):
+        self.signum = None
+        self.previous = {s: signal.signal(s, self.record) for s in HANDLED}
+
+    def record(self, signum, frame):
+        if self.signum is not None:
+            raise KeyboardInterrupt  # a second signal: stop now
+        self.signum = signum
+
+    def agreed(self, step: int) -> int:
+        """At every CHECK_EVERY-th step, the signal any rank received (0 if none); elsewhere 0."""
+        if step % CHECK_EVERY:
+            return 0
+        return comm.max_over_ranks(self.signum or 0)
+
+    def close(self):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
