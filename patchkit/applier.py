@@ -3,6 +3,7 @@
 Each operation returns a report (a dict, printed as text or JSON by apply_patches.py) and raises
 TreeError for anything that stops it; a TreeError always leaves the tree as it was.
 """
+import contextlib
 import json
 from pathlib import Path
 
@@ -110,12 +111,17 @@ class Applier:
                             + (f' ({counts})' if counts else ''))
         return report, EXIT_MOVED
 
-    def apply(self):
+    @contextlib.contextmanager
+    def locked_state(self):
+        """(state, report) of the tree, inspected under the lock after repairing any interrupted run."""
         check_is_yolov9_tree(self.target)
         with tree_lock(self.target):
             self.recover()
             state = inspect_tree(self.target, self.pin, self.patches)
-            report = self.base_report(state)
+            yield state, self.base_report(state)
+
+    def apply(self):
+        with self.locked_state() as (state, report):
             if state.kind == 'partial':
                 hint = 'run apply_patches.py --revert TARGET, then apply again'
                 if self.may_be_another_revision(state):
@@ -146,11 +152,7 @@ class Applier:
             return report, EXIT_OK
 
     def revert(self):
-        check_is_yolov9_tree(self.target)
-        with tree_lock(self.target):
-            self.recover()
-            state = inspect_tree(self.target, self.pin, self.patches)
-            report = self.base_report(state)
+        with self.locked_state() as (state, report):
             if state.kind == 'modified':
                 raise self.mismatch_error(state)
             installed = self.removable_installs()

@@ -168,6 +168,19 @@ def offline_environment(home: Path) -> dict:
     return env
 
 
+def copy_kit(dest: Path) -> Path:
+    """A runnable copy of the kit (the applier, its package, the patches, the files it installs)."""
+    dest.mkdir(parents=True)
+    ignore = shutil.ignore_patterns(*NOT_CONTENT)
+    for name in ('apply_patches.py', 'ddp_train_dual.py', 'patchkit', 'patches', 'yolov9_ddp'):
+        source = KIT / name
+        if source.is_dir():
+            shutil.copytree(source, dest / name, ignore=ignore)
+        elif source.is_file():
+            shutil.copy2(source, dest / name)
+    return dest
+
+
 # -- fixtures ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope='session')

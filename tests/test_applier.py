@@ -8,7 +8,6 @@ import fcntl
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (KIT, NOT_CONTENT, PATCHES, SERIES, clean_env, copy_tree, describe, git, make_git_repo,
+from conftest import (KIT, PATCHES, SERIES, clean_env, copy_kit, copy_tree, describe, git, make_git_repo,
                       run_applier, snapshot)
 from patchkit.gitapply import git_apply
 from patchkit.pin import Pin, blob_id, file_blob_id
@@ -37,19 +36,6 @@ def kit_install_files() -> dict:
         if path.is_file() and '__pycache__' not in path.parts and path.suffix != '.pyc':
             files[path.relative_to(KIT).as_posix()] = path.read_bytes()
     return files
-
-
-def copy_kit(dest: Path) -> Path:
-    """A runnable copy of the kit (the applier, its package, the patches, the files it installs)."""
-    dest.mkdir(parents=True)
-    ignore = shutil.ignore_patterns(*NOT_CONTENT)
-    for name in ('apply_patches.py', 'ddp_train_dual.py', 'patchkit', 'patches', 'yolov9_ddp'):
-        source = KIT / name
-        if source.is_dir():
-            shutil.copytree(source, dest / name, ignore=ignore)
-        elif source.is_file():
-            shutil.copy2(source, dest / name)
-    return dest
 
 
 def status_json(tree: Path) -> dict:

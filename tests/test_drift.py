@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import (KIT, PATCHES, SERIES, clean_env, copy_tree, describe, git, make_git_repo, run_applier,
+from conftest import (KIT, PATCHES, SERIES, clean_env, copy_kit, copy_tree, describe, git, make_git_repo, run_applier,
                       snapshot)
 from patchkit.pin import file_blob_id
-from test_applier import copy_kit
 
 WORKFLOW = KIT / '.github' / 'workflows' / 'upstream-regression.yml'
 README = KIT / 'README.md'
