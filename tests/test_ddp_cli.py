@@ -68,7 +68,8 @@ sys.argv = ['x']
 try:
     train_dual.parse_opt()
 finally:
-    argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = real_parse_args, real_parse_known_args
+    argparse.ArgumentParser.parse_args = real_parse_args
+    argparse.ArgumentParser.parse_known_args = real_parse_known_args
 upstream = captured[-1]
 
 from yolov9_ddp.cli import build_parser  # noqa: E402

@@ -180,7 +180,7 @@ def test_ema_is_bit_identical_on_every_rank_after_every_epoch(patched_tree, data
         np.testing.assert_allclose(zero['bn_after'], mean, rtol=0, atol=1e-6)
 
 
-# -- distributed validation ----------------------------------------------------------------------------------------------
+# -- distributed validation --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('nproc', [2, 3])
 def test_distributed_validation_equals_single_process_validation(patched_tree, dataset, trained_weights, tmp_path,

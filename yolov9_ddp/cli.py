@@ -86,7 +86,8 @@ def build_parser(root: Path) -> argparse.ArgumentParser:
     kit.add_argument('--compile', action='store_true',
                      help='torch.compile the model (slow first steps; measured in bench/RESULTS.md)')
     kit.add_argument('--demo-dir', type=Path, default=None,
-                     help='where the demo dataset is generated when --data is not given (default: PROJECT/../demo-data)')
+                     help='where the demo dataset is generated when --data is not given '
+                          '(default: PROJECT/../demo-data)')
     return p
 
 

@@ -1,9 +1,9 @@
-"""Performance levers of the training loop, each measured on 2 x H200 in bench/ (bench/RESULTS.md has the figures).
+"""Performance levers of the training loop, measured on 2 x H200 by bench/run_bench.py (bench/RESULTS.md).
 
-The defaults keep upstream's numerics (deterministic algorithms, unfused SGD) until a valid GPU measurement says
-otherwise; the levers that only move data or launch fewer kernels are on. --channels-last and --compile are command-line flags; every lever can
-also be set through YOLOV9_DDP_LEVERS="name=value,..." (used by bench/run_bench.py to switch one lever off
-at a time and measure what it is worth).
+The defaults keep upstream's numerics (deterministic algorithms, unfused SGD) until a valid GPU measurement
+says otherwise; the levers that only move data or launch fewer kernels are on. --channels-last and --compile
+are command-line flags; every lever can also be set through YOLOV9_DDP_LEVERS="name=value,..." (used by
+bench/run_bench.py to switch one lever at a time and measure what it is worth).
 """
 import os
 from dataclasses import dataclass, fields, replace
