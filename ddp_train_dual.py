@@ -22,6 +22,7 @@ import random  # noqa: E402
 import time  # noqa: E402
 from contextlib import nullcontext  # noqa: E402
 from copy import deepcopy  # noqa: E402
+from dataclasses import replace  # noqa: E402
 from datetime import datetime  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -57,8 +58,8 @@ from yolov9_ddp.levers import fused_optimizer, levers_for  # noqa: E402
 
 NOMINAL_BATCH = 64  # upstream's nbs: gradients are accumulated up to this many images per optimizer step
 EXIT_USAGE, EXIT_FAILED = 2, 1
-# gloo reports a collective that outlived the process group's timeout as a plain RuntimeError
-TIMEOUT_WORDS = ('timed out', 'timeout')
+# gloo reports a collective that timed out, or whose peer died, as a plain RuntimeError
+COLLECTIVE_FAILURES = ('timed out', 'timeout', 'connection reset by peer', 'connection closed by peer')
 KIT_ERRORS = (cli.UsageError, comm.LaunchError, checkpoint.CheckpointError, comm.PeerFailed, data.DataError)
 
 
@@ -95,15 +96,23 @@ def resolve_model_files(opt):
         raise cli.UsageError('either --cfg or --weights must be specified')
 
 
+def saved_options(plan) -> dict:
+    """The run's opt.yaml (rank 0 reads it: the other ranks may not see the folder, and rank 0 rewrites it)."""
+    saved = plan.save_dir / 'opt.yaml'
+    try:
+        options = yaml.safe_load(saved.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise checkpoint.CheckpointError(f'{saved} is unreadable ({e}): cannot resume the run in {plan.save_dir}')
+    if not isinstance(options, dict):
+        raise checkpoint.CheckpointError(f'{saved} holds no options: cannot resume the run in {plan.save_dir}')
+    return options
+
+
 def restore_resumed_options(opt, plan):
     """On resume, take the run's saved options (as upstream), keeping this launch's device and kit settings."""
-    saved = plan.save_dir / 'opt.yaml'
-    if not saved.is_file():
-        raise checkpoint.CheckpointError(f'{saved} is missing: cannot resume the run in {plan.save_dir}')
     launch = {k: getattr(opt, k) for k in ('device', 'workers', 'ddp_timeout', 'local_rank', 'auto_resume',
                                            'save_on_signal', 'channels_last', 'compile')}
-    restored = yaml.safe_load(saved.read_text())
-    vars(opt).update(restored, **launch)
+    vars(opt).update(plan.options, **launch)
     opt.resume, opt.weights = True, str(plan.resume_from)
     if opt.cfg and not Path(opt.cfg).is_file():  # a relative path from another folder: the checkpoint's own yaml
         opt.cfg = ''
@@ -115,6 +124,8 @@ def plan_and_create_run(opt) -> runs.RunPlan:
     if comm.is_primary():
         try:
             plan = runs.plan_run(opt, get_latest_run, increment_path)
+            if plan.resume_from is not None:
+                plan = replace(plan, options=saved_options(plan))
             if not plan.finished:
                 runs.start_record(plan)
                 checkpoint.remove_stale_temporaries(plan.save_dir / 'weights')  # of a writer killed mid-save
@@ -142,7 +153,17 @@ def load_exactly(model, saved, source):
         model.load_state_dict(saved.float().state_dict(), strict=True)
     except RuntimeError as e:
         detail = ' '.join(str(e).split())[:300]
-        raise checkpoint.CheckpointError(f'{source} holds another model than this run ({detail})') from e
+        raise checkpoint.ModelMismatch(f'{source} holds another model than this run ({detail})') from e
+
+
+def strip_atomically(path: Path):
+    """Upstream's strip_optimizer() rewrites the file in place; a kill meanwhile would truncate it."""
+    tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
+    try:
+        strip_optimizer(str(path), str(tmp))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def portable_copy(model):
@@ -513,11 +534,12 @@ class Trainer:
     def finish(self, epoch):
         """Strip the checkpoints (rank 0), validate best.pt on all ranks with plots, report the mAP."""
         if self.primary:
-            runs.write_record(self.save_dir, finished=True)
-            checkpoint.previous_path(self.last).unlink(missing_ok=True)  # only needed while training can resume
             for f in (self.last, self.best):
                 if f.exists():
-                    strip_optimizer(f)
+                    strip_atomically(f)
+            # only now is the run finished: a restart before this line resumes from last.previous.pt
+            runs.write_record(self.save_dir, finished=True)
+            checkpoint.previous_path(self.last).unlink(missing_ok=True)
         if comm.broadcast_object(self.best.exists()):
             best = load_everywhere(lambda: checkpoint.load_checkpoint(self.best))
             model = best['model'].to(self.device).float().fuse().eval()
@@ -564,8 +586,8 @@ def train(opt, device):
 def report(error: BaseException):
     """One line per failure: from the rank that saw it (rank 0 for errors every rank sees the same way)."""
     rank = comm.launched_rank()
-    seen_alike_by = {cli.UsageError: rank, comm.LaunchError: comm.get_local_rank()}  # every rank / every process
-    if isinstance(error, comm.PeerFailed) or seen_alike_by.get(type(error), 0) != 0:  # of a node sees it the same
+    if isinstance(error, comm.PeerFailed) or (isinstance(error, comm.Unanimous) and rank != 0) or \
+            (isinstance(error, comm.LaunchError) and comm.get_local_rank() != 0):  # a node's processes see it alike
         return
     where = f' [rank {rank}]' if comm.launched_world_size() > 1 else ''
     print(f'ddp_train_dual.py: error{where}: {error}', file=sys.stderr, flush=True)
@@ -589,7 +611,7 @@ def main(argv=None) -> int:
             print(f'ddp_train_dual.py: {e}', file=sys.stderr, flush=True)
         return e.exit_status
     except (dist.DistError, RuntimeError) as e:
-        if not isinstance(e, dist.DistError) and not any(w in str(e).lower() for w in TIMEOUT_WORDS):
+        if not isinstance(e, dist.DistError) and not any(w in str(e).lower() for w in COLLECTIVE_FAILURES):
             raise
         report(RuntimeError(f'a collective operation failed or timed out ({str(e).splitlines()[0][:200]}); '
                             f'a rank may have died or stalled; the limit is --ddp-timeout {opt.ddp_timeout:g} s'))

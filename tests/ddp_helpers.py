@@ -323,9 +323,14 @@ def error_lines(output: str) -> list:
     return [line[line.index(ERROR_LINE):] for line in output.splitlines() if ERROR_LINE in line]
 
 
-def one_error_line_problems(output: str, *fragments) -> list:
-    """[] if the output has exactly one error line and it names every fragment, else what is wrong."""
-    lines = error_lines(output)
+PEER_DIED = 'a collective operation failed'  # how a surviving rank reports a peer that was killed
+
+
+def one_error_line_problems(output: str, *fragments, besides=()) -> list:
+    """[] if the output has exactly one error line and it names every fragment, else what is wrong.
+
+    Lines containing one of `besides` are expected on the way (a rank reporting a killed peer) and not counted."""
+    lines = [line for line in error_lines(output) if not any(b in line for b in besides)]
     if len(lines) == 1 and all(f in lines[0] for f in fragments):
         return []
     shown = [line[:200] + ('...' if len(line) > 200 else '') for line in lines]
@@ -601,7 +606,7 @@ def lost_checkpoints_scenario(tree, data, workdir: Path, via: str, source: Path 
         problems = [] if job.returncode else ['exit status 0']
         if sorted(e['rank'] for e in job.events('exit') if e['attempt'] == 1) != [0, 1]:
             problems.append('torchrun did not restart the workers, or they did not return by themselves')
-        problems += one_error_line_problems(output, *fragments)
+        problems += one_error_line_problems(output, *fragments, besides=(PEER_DIED,))  # rank 1, when 0 was killed
         if output.count('Starting training') != 1 or len([e for e in job.events('start') if e['rank'] == 0]) != 1:
             problems.append('training started again after the restart')
         if results_epochs(run_dir) != list(range(epochs - 1)) or weights_snapshot(run_dir):

@@ -13,12 +13,18 @@ from pathlib import Path
 
 import torch
 
+from yolov9_ddp.comm import Unanimous
+
 FORMAT = 'yolov9-ddp/1'
 RESUME_KEYS = ('epoch', 'model', 'ema', 'updates', 'optimizer', 'opt')
 
 
 class CheckpointError(Exception):
     """A checkpoint file that cannot be used; the message names the file and the reason."""
+
+
+class ModelMismatch(CheckpointError, Unanimous):
+    """A resume checkpoint of another model: every rank finds it loading the same weights."""
 
 
 def save_atomic(obj, path: Path, keep_previous=False):

@@ -6,13 +6,13 @@ Two defaults differ on purpose: without --data the run trains on the kit's gener
 import argparse
 from pathlib import Path
 
-from yolov9_ddp.comm import DEFAULT_TIMEOUT_S
+from yolov9_ddp.comm import DEFAULT_TIMEOUT_S, Unanimous
 from yolov9_ddp.levers import levers_for
 
 DEMO_CFG = Path(__file__).resolve().parent / 'models' / 'tiny-dual.yaml'
 
 
-class UsageError(Exception):
+class UsageError(Unanimous):
     """A flag combination that cannot work; every rank detects it the same way before any collective."""
 
 

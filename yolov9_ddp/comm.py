@@ -14,6 +14,10 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT_S = 3 * 60 * 60  # generous: a first epoch that builds caches may keep ranks apart for long
 
 
+class Unanimous(Exception):
+    """An error every rank raises the same way (same flags, same files): reported once, by rank 0."""
+
+
 class LaunchError(Exception):
     """The launch configuration cannot work (devices, world size, arguments); message says why."""
 

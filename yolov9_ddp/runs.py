@@ -27,6 +27,7 @@ class RunPlan:
     resume_from: Path = None  # a last.pt to continue from, or None for a fresh start
     finished: bool = False  # the folder's training already completed (a restart after the very end)
     reason: str = 'new run'
+    options: dict = None  # the run's saved opt.yaml, when it resumes
 
 
 def launcher_job_id():

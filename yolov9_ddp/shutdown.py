@@ -6,6 +6,7 @@ rank that has gone. Then, where --save-on-signal asks for it, rank 0 writes a re
 step boundary, and the process group is destroyed on the way out (comm.process_group). A second signal
 interrupts at once.
 """
+import os
 import signal
 
 from yolov9_ddp import comm
@@ -30,10 +31,14 @@ class Interrupted(Exception):
 
 class StopRequest:
     def __init__(self):
-        self.signum = None
+        self.signum, self.pid = None, os.getpid()
         self.previous = {s: signal.signal(s, self.record) for s in HANDLED}
 
     def record(self, signum, frame):
+        if os.getpid() != self.pid:  # a forked child (a label-cache pool worker) inherited the handler: die as usual
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if self.signum is not None:
             raise KeyboardInterrupt  # a second signal: stop now
         self.signum = signum
