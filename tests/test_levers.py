@@ -43,7 +43,10 @@ def test_fused_sgd_matches_upstream_sgd_when_amp_skips_the_first_step():
     assert not torch.equal(unfused, torch.cat(start)), 'the steps after the skipped one must move the weights'
 
 
-def test_ema_multi_tensor_update_equals_upstreams(patched_tree):
+@pytest.mark.parametrize('validated_between', [False, True])
+def test_ema_multi_tensor_update_equals_upstreams(patched_tree, validated_between):
+    """validated_between: val_dual's model.half() then model.float() (CUDA, AMP) replace the EMA's tensors; the
+    updates after it must still move the EMA (they did not: the EMA stayed frozen after the first validation)."""
     sys.path.insert(0, str(patched_tree))
     try:
         from utils.torch_utils import ModelEMA
@@ -52,7 +55,11 @@ def test_ema_multi_tensor_update_equals_upstreams(patched_tree):
         model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Conv2d(8, 4, 1))
         upstream, kit = ModelEMA(model), ModelEMA(model)
         update = EmaUpdater(kit, model, foreach=True)
-        for _ in range(5):
+        for step in range(5):
+            if validated_between and step == 2:
+                for ema in (upstream, kit):
+                    ema.ema.half()
+                    ema.ema.float()
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(torch.randn_like(p))

@@ -39,21 +39,34 @@ class EmaUpdater:
     """ModelEMA.update() as one multi-tensor lerp: v = d * v + (1 - d) * m is lerp(v, m, 1 - d).
 
     Upstream's update walks the state dict and launches two kernels per tensor (about 2,000 launches a step
-    for yolov9-s); the tensor lists are built once, as the parameters never move after setup.
+    for yolov9-s); here the tensor lists are built once and rebuilt only when a module's tensors were replaced.
+    That happens after every validation on CUDA with AMP: val_dual's model.half() and model.float() give the
+    EMA new tensors, and lists kept from before would leave the EMA frozen from then on.
     """
 
     def __init__(self, ema, model: nn.Module, foreach: bool):
         self.ema, self.foreach = ema, foreach
-        pairs = [(e, m) for e, m in zip(ema.ema.state_dict().values(), model.state_dict().values())
+        self.track(model)
+
+    def track(self, model: nn.Module):
+        pairs = [(e, m) for e, m in zip(self.ema.ema.state_dict().values(), model.state_dict().values())
                  if e.dtype.is_floating_point]
         self.ema_tensors = [e for e, _ in pairs]
         self.model_tensors = [m.detach() for _, m in pairs]
+        self.storage = first_storage(self.ema.ema), first_storage(model)
 
     def __call__(self, model: nn.Module):
         if not self.foreach:
             self.ema.update(model)
             return
+        if (first_storage(self.ema.ema), first_storage(model)) != self.storage:
+            self.track(model)
         self.ema.updates += 1
         weight = 1 - self.ema.decay(self.ema.updates)
         with torch.no_grad():
             torch._foreach_lerp_(self.ema_tensors, self.model_tensors, weight)
+
+
+def first_storage(module: nn.Module) -> int:
+    """Where the first parameter's data lives: a conversion such as .half() replaces every tensor, this one too."""
+    return next(module.parameters()).data_ptr()
