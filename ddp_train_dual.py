@@ -272,6 +272,8 @@ class Trainer:
             if any(prefix in name for prefix in frozen):
                 LOGGER.info(f'freezing {name}')
                 parameter.requires_grad = False
+        if self.levers.channels_last:  # before the optimizer: fused SGD needs its buffers in the weights' layout
+            model.to(memory_format=torch.channels_last)
         self.model = self.raw_model = model
 
     def resolve_batch_size(self):
@@ -330,8 +332,6 @@ class Trainer:
         model, opt = self.raw_model, self.opt
         model.nc, model.hyp, model.names = self.nc, self.hyp, self.names
         model.class_weights = labels_to_class_weights(self.dataset.labels, self.nc).to(self.device) * self.nc
-        if self.levers.channels_last:
-            model.to(memory_format=torch.channels_last)
         if self.world > 1:
             if opt.sync_bn and self.cuda:
                 model = self.raw_model = nn.SyncBatchNorm.convert_sync_batchnorm(model).to(self.device)

@@ -45,13 +45,14 @@ def step_rate(cfg, batch, imgsz, benchmark, channels_last, fused, warmup=15, ste
     model = Model(cfg, ch=3, nc=3).cuda().train()
     model.hyp = yaml.safe_load(Path('data/hyps/hyp.scratch-high.yaml').read_text())
     loss_fn = ComputeLoss(model)
+    if channels_last:  # before the optimizer: fused SGD needs its buffers in the weights' layout
+        model.to(memory_format=torch.channels_last)
     optimizer = smart_optimizer(model, 'SGD', 0.01, 0.937, 5e-4)
     if fused:
         optimizer = fused_optimizer(optimizer)
     scaler = torch.amp.GradScaler('cuda')
     images, targets = fixed_batch(batch, imgsz)
     if channels_last:
-        model.to(memory_format=torch.channels_last)
         images = images.contiguous(memory_format=torch.channels_last)
     for i in range(warmup + steps):
         if i == warmup:
