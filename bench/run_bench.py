@@ -33,7 +33,7 @@ from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset  # noqa: E402
 
 NCCL_SAFETY = {'NCCL_NVLS_ENABLE': '0', 'TORCH_SYMM_MEM_DISABLE_MULTICAST': '1', 'NVSHMEM_DISABLE_NVLS': '1'}
 # Each lever of yolov9_ddp/levers.py switched away from its default, one at a time (see YOLOV9_DDP_LEVERS).
-LEVER_ABLATIONS = ['cudnn_benchmark=1', 'fused_optimizer=1', 'foreach_ema=0', 'progress_every=1', 'pin_memory=0',
+LEVER_ABLATIONS = ['cudnn_benchmark=0', 'fused_optimizer=0', 'foreach_ema=0', 'progress_every=1', 'pin_memory=0',
                    'persistent_workers=0', 'bucket_view=0', 'channels_last=1', 'static_graph=1', 'compile=1']
 
 
@@ -194,7 +194,7 @@ class Bench:
             runs[name] = {'gpus': n, 'global_batch': a.parity_batch, 'epochs': a.parity_epochs,
                           'returncode': result.returncode, 'final': final[-1] if final else None,
                           'best_row': best_row(self.work / 'runs' / name / 'results.csv')}
-        self.record('parity', runs)
+            self.record('parity', runs)
 
 
 class MemorySampler:
