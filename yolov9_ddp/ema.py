@@ -68,5 +68,7 @@ class EmaUpdater:
 
 
 def first_storage(module: nn.Module) -> int:
-    """Where the first parameter's data lives: a conversion such as .half() replaces every tensor, this one too."""
+    """Where the first parameter's data lives: a conversion such as .half() replaces every tensor, this one too.
+
+    The lists keep the replaced tensors alive, so a new tensor never takes over the old one's address."""
     return next(module.parameters()).data_ptr()
