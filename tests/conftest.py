@@ -235,6 +235,14 @@ def patched_tree(pinned_upstream, tmp_path_factory) -> Path:
     return tree
 
 
+@pytest.fixture(scope='module')
+def upstream_importable(patched_tree):
+    """Checkpoints pickle upstream's model classes: a test that reads them needs the patched tree on sys.path."""
+    sys.path.insert(0, str(patched_tree))
+    yield
+    sys.path.remove(str(patched_tree))
+
+
 @pytest.fixture
 def offline_env(tmp_path) -> dict:
     """Environment for subprocesses: network blocked except loopback, empty settings folder (no Arial.ttf)."""

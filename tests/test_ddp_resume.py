@@ -15,16 +15,8 @@ from ddp_helpers import job_env, run, torchrun_cmd, train_args
 from yolov9_ddp import checkpoint
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures('upstream_importable')]
 EPOCHS = 4
-
-
-@pytest.fixture(scope='module', autouse=True)
-def upstream_importable(patched_tree):
-    """Checkpoints pickle upstream's model classes: reading them here needs the patched tree on sys.path."""
-    sys.path.insert(0, str(patched_tree))
-    yield
-    sys.path.remove(str(patched_tree))
 
 
 @pytest.fixture(scope='module')

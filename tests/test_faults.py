@@ -14,7 +14,6 @@ import json
 import random
 import shutil
 import signal
-import sys
 import uuid
 from pathlib import Path
 
@@ -27,16 +26,8 @@ from ddp_helpers import (FAULT_EPOCHS, KILL_FAULTS, PROBE, STOP_DEADLINE_S, comp
                          start_job, train_args)
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures('upstream_importable')]
 SPEC = DemoSpec(train=48, val=16, imgsz=64)  # 12 steps per epoch on each of 2 ranks at batch 4
-
-
-@pytest.fixture(scope='module', autouse=True)
-def upstream_importable(patched_tree):
-    """Checkpoints pickle upstream's model classes: reading them here needs the patched tree on sys.path."""
-    sys.path.insert(0, str(patched_tree))
-    yield
-    sys.path.remove(str(patched_tree))
 
 
 @pytest.fixture(scope='module')
