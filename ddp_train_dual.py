@@ -157,13 +157,18 @@ def load_exactly(model, saved, source):
 
 
 def strip_atomically(path: Path):
-    """Upstream's strip_optimizer() rewrites the file in place; a kill meanwhile would truncate it."""
+    """Upstream's strip_optimizer() rewrites the file in place; a kill meanwhile would truncate it.
+
+    Its log line would name the temporary file, so it is held back and the line says where the result is."""
     tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
+    was_disabled, LOGGER.disabled = LOGGER.disabled, True
     try:
         strip_optimizer(str(path), str(tmp))
         os.replace(tmp, path)
     finally:
+        LOGGER.disabled = was_disabled
         tmp.unlink(missing_ok=True)
+    LOGGER.info(f'Optimizer stripped from {path}, {path.stat().st_size / 1E6:.1f}MB')
 
 
 def portable_copy(model):

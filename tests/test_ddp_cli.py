@@ -218,6 +218,8 @@ def test_rank_0_logs_and_shows_progress(logged_job):
     assert '█' in out  # the progress bar
     final = [line for line in out.splitlines() if 'Final:' in line]
     assert len(final) == 1 and 'mAP50-95' in final[0]
+    stripped = [line for line in out.splitlines() if 'Optimizer stripped from' in line]
+    assert len(stripped) == 2 and all('weights' in line and '.tmp' not in line for line in stripped), stripped
     assert 'must be multiple of max stride 32, updating to 96' in out
 
 
