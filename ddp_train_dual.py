@@ -160,7 +160,7 @@ def strip_atomically(path: Path):
     """Upstream's strip_optimizer() rewrites the file in place; a kill meanwhile would truncate it.
 
     Its log line would name the temporary file, so it is held back and the line says where the result is."""
-    tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
+    tmp = checkpoint.temporary_path(path)
     was_disabled, LOGGER.disabled = LOGGER.disabled, True
     try:
         strip_optimizer(str(path), str(tmp))

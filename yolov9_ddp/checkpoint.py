@@ -30,7 +30,7 @@ class ModelMismatch(CheckpointError, Unanimous):
 def save_atomic(obj, path: Path, keep_previous=False):
     """Write obj to path in one rename; with keep_previous the file it replaces stays as previous_path(path)."""
     path = Path(path)
-    tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
+    tmp = temporary_path(path)
     try:
         with open(tmp, 'wb') as f:
             torch.save(obj, f)
@@ -43,6 +43,11 @@ def save_atomic(obj, path: Path, keep_previous=False):
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def temporary_path(path: Path) -> Path:
+    """Where a writer of path puts its bytes before the rename: hidden, per process (remove_stale_temporaries)."""
+    return path.with_name(f'.{path.name}.{os.getpid()}.tmp')
 
 
 def previous_path(path: Path) -> Path:

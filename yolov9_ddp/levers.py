@@ -1,9 +1,10 @@
 """Performance levers of the training loop, measured on 2 x H200 by bench/run_bench.py (bench/RESULTS.md).
 
 The defaults are the settings of the kit's measured runs: cudnn autotuning instead of upstream's deterministic
-algorithms (faster in both lever runs), the fused SGD, and the levers that only move data or launch fewer kernels. --channels-last and --compile
-are command-line flags; every lever can also be set through YOLOV9_DDP_LEVERS="name=value,..." (used by
-bench/run_bench.py to switch one lever at a time and measure what it is worth).
+algorithms (faster in both lever runs), the fused SGD, and the levers that only move data or launch fewer
+kernels. --channels-last and --compile are command-line flags; every lever can also be set through
+YOLOV9_DDP_LEVERS="name=value,..." (used by bench/run_bench.py to switch one lever at a time and measure what
+it is worth).
 """
 import os
 from dataclasses import dataclass, fields, replace
