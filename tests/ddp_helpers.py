@@ -125,6 +125,11 @@ def faulty_single(args) -> list:
     return [sys.executable, FAULTY, *args]
 
 
+def faulty_launch(nproc, args) -> list:
+    """torchrun for several processes, a plain python process for one."""
+    return faulty_torchrun(nproc, args) if nproc > 1 else faulty_single(args)
+
+
 def node_cmd(nnodes: int, endpoint: str, run_id: str, *args) -> list:
     """One node's torchrun agent of a multi-node job (one process per node), c10d rendezvous at endpoint."""
     return [sys.executable, '-m', 'torch.distributed.run', '--nnodes', nnodes, '--nproc_per_node', 1,
@@ -385,8 +390,7 @@ def signal_scenario(tree, data, workdir: Path, signum=signal.SIGTERM, save_on_si
     last = project / 'exp' / 'weights' / 'last.pt'
     extra = ['--workers', 1] + (['--save-on-signal'] if save_on_signal else [])
     args = fault_args(data, project, epochs, *extra)
-    job = start_job(faulty_torchrun(nproc, args) if nproc > 1 else faulty_single(args), tree, workdir, 'stopped',
-                    MARK_SLOW)
+    job = start_job(faulty_launch(nproc, args), tree, workdir, 'stopped', MARK_SLOW)
     wait_for_path(job.records / 'mark-mark', job)
     before = weights_snapshot(project / 'exp')
     signalled = time.monotonic()
@@ -422,9 +426,7 @@ def signal_scenario(tree, data, workdir: Path, signum=signal.SIGTERM, save_on_si
             problems.append('weights/ changed after the signal although --save-on-signal was not given')
     jobs = [job]
     if resume and not problems:
-        again = ['--resume', last, '--device', 'cpu', '--workers', 0]
-        resumed = start_job(faulty_torchrun(nproc, again) if nproc > 1 else faulty_single(again), tree, workdir,
-                            'resumed')
+        resumed = resume_job(tree, workdir, last, nproc=nproc)
         jobs.append(resumed)
         if resumed.wait(300):
             problems.append(f'the resumed run exited with {resumed.returncode}')
@@ -476,10 +478,12 @@ def interrupted_run(tree, data, workdir: Path, epochs=FAULT_EPOCHS) -> Path:
     return project / 'exp'
 
 
-def copy_run(run_dir: Path, workdir: Path) -> Path:
-    """A copy of a run folder as workdir/runs/exp."""
+def interrupted_copy(tree, data, workdir: Path, source: Path = None, epochs=FAULT_EPOCHS) -> Path:
+    """workdir/runs/exp: a copy of source (an interrupted_run folder), else a freshly interrupted run."""
     import shutil
-    return Path(shutil.copytree(run_dir, workdir / 'runs' / 'exp'))
+    if source:
+        return Path(shutil.copytree(source, workdir / 'runs' / 'exp'))
+    return interrupted_run(tree, data, workdir, epochs)
 
 
 def damage(path: Path, how: str, tree=None):
@@ -503,7 +507,7 @@ def damage(path: Path, how: str, tree=None):
 
 
 def resume_job(tree, workdir: Path, last: Path, name='resumed', nproc=2, fault='') -> Job:
-    return start_job(faulty_torchrun(nproc, ['--resume', last, '--device', 'cpu', '--workers', 0]), tree, workdir,
+    return start_job(faulty_launch(nproc, ['--resume', last, '--device', 'cpu', '--workers', 0]), tree, workdir,
                      name, fault)
 
 
@@ -511,7 +515,7 @@ def fallback_scenario(tree, data, workdir: Path, source: Path = None, epochs=FAU
     """A truncated last.pt beside last.previous.pt: --resume must warn, continue from the previous checkpoint and
     complete the run. source: an interrupted_run folder to copy (else one is made)."""
     from yolov9_ddp import checkpoint
-    run_dir = copy_run(source, workdir) if source else interrupted_run(tree, data, workdir, epochs)
+    run_dir = interrupted_copy(tree, data, workdir, source, epochs)
     last = run_dir / 'weights' / 'last.pt'
     previous = checkpoint.previous_path(last)
     damaged_epoch = checkpoint.load_checkpoint(last)['epoch']
@@ -534,7 +538,7 @@ def fallback_scenario(tree, data, workdir: Path, source: Path = None, epochs=FAU
 def slow_filesystem_resume_scenario(tree, data, workdir: Path, source: Path = None, epochs=FAULT_EPOCHS) -> Outcome:
     """--resume on 2 ranks where rank 0's rewrite of the run's opt.yaml takes 5 s (a slow shared filesystem) and
     rank 1 is 1.5 s late: the run must complete, every rank starting from the run's saved options."""
-    run_dir = copy_run(source, workdir) if source else interrupted_run(tree, data, workdir, epochs)
+    run_dir = interrupted_copy(tree, data, workdir, source, epochs)
     job = resume_job(tree, workdir, run_dir / 'weights' / 'last.pt',
                      fault='slow:rank=0:where=opt_yaml:sleep=5;slow:rank=1:where=resume_options:sleep=1.5')
     job.wait(300)
@@ -570,7 +574,7 @@ def refused_checkpoint_scenario(tree, data, workdir: Path, how: str, source: Pat
     """--resume with a damaged last.pt (damage(how)) and, unless keep_previous, no last.previous.pt: one clear error,
     every rank out, no training, weights/ untouched."""
     from yolov9_ddp import checkpoint
-    run_dir = copy_run(source, workdir) if source else interrupted_run(tree, data, workdir)
+    run_dir = interrupted_copy(tree, data, workdir, source)
     last = run_dir / 'weights' / 'last.pt'
     if not keep_previous:
         checkpoint.previous_path(last).unlink()
@@ -590,7 +594,7 @@ def lost_checkpoints_scenario(tree, data, workdir: Path, via: str, source: Path 
     project = workdir / 'runs'
     fragments = ('records a checkpoint of epoch', 'are gone')
     if via == 'auto-resume':
-        run_dir = copy_run(source, workdir) if source else interrupted_run(tree, data, workdir, epochs)
+        run_dir = interrupted_copy(tree, data, workdir, source, epochs)
         for path in (run_dir / 'weights').glob('*.pt'):
             path.unlink()
         before, rows = weights_snapshot(run_dir), results_epochs(run_dir)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_helpers import free_port, job_env, torchrun_cmd, train_args
+from ddp_helpers import ERROR_LINE, free_port, job_env, torchrun_cmd, train_args
 from yolov9_ddp import cli, comm
 
 pytestmark = pytest.mark.timeout(600)
@@ -22,7 +22,6 @@ pytestmark = pytest.mark.timeout(600)
 DEADLINE_S = 120  # subprocess limit of a launch; a failing launch must end well before it
 QUICK_S = 60  # "well under": and under --ddp-timeout, so a rank stuck in a collective cannot go unnoticed
 DDP_TIMEOUT_S = 60  # passed to every launch: a stuck rank would report a timeout instead of lingering
-ERROR_LINE = 'ddp_train_dual.py: error'
 TIMEOUT_SIGNS = ('collective operation failed or timed out', 'DistBackendError', 'DistNetworkError',
                  'Timed out', 'timed out')
 

@@ -1,6 +1,5 @@
 """Rank-0 atomic checkpoints, --resume under torchrun, and the automatic resume after torchrun restarts
 workers that were killed (--max-restarts)."""
-import csv
 import os
 import signal
 import subprocess
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_helpers import job_env, run, torchrun_cmd, train_args
+from ddp_helpers import job_env, results_epochs, run, torchrun_cmd, train_args
 from yolov9_ddp import checkpoint
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
@@ -22,11 +21,6 @@ EPOCHS = 4
 @pytest.fixture(scope='module')
 def dataset(tmp_path_factory):
     return ensure_demo_dataset(tmp_path_factory.mktemp('data') / 'demo', DemoSpec(train=64, val=16, imgsz=64))
-
-
-def results_epochs(run_dir: Path) -> list:
-    with open(run_dir / 'results.csv') as f:
-        return [int(row['epoch'].strip()) for row in csv.DictReader(f, skipinitialspace=True)]
 
 
 def checkpoint_epoch(path: Path):

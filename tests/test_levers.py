@@ -1,5 +1,4 @@
 """The performance levers that change how the math is done must not change the math."""
-import sys
 
 import pytest
 import torch
@@ -43,34 +42,31 @@ def test_fused_sgd_matches_upstream_sgd_when_amp_skips_the_first_step():
     assert not torch.equal(unfused, torch.cat(start)), 'the steps after the skipped one must move the weights'
 
 
+@pytest.mark.usefixtures('upstream_importable')
 @pytest.mark.parametrize('validated_between', [False, True])
-def test_ema_multi_tensor_update_equals_upstreams(patched_tree, validated_between):
+def test_ema_multi_tensor_update_equals_upstreams(validated_between):
     """validated_between: val_dual's model.half() then model.float() (CUDA, AMP) replace the EMA's tensors; the
     updates after it must still move the EMA (they did not: the EMA stayed frozen after the first validation)."""
-    sys.path.insert(0, str(patched_tree))
-    try:
-        from utils.torch_utils import ModelEMA
-        from yolov9_ddp.ema import EmaUpdater
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Conv2d(8, 4, 1))
-        upstream, kit = ModelEMA(model), ModelEMA(model)
-        update = EmaUpdater(kit, model, foreach=True)
-        for step in range(5):
-            if validated_between and step == 2:
-                for ema in (upstream, kit):
-                    ema.ema.half()
-                    ema.ema.float()
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(torch.randn_like(p))
-                model[1].running_mean.add_(1.0)
-            upstream.update(model)
-            update(model)
-        assert kit.updates == upstream.updates == 5
-        for (name, a), b in zip(upstream.ema.state_dict().items(), kit.ema.state_dict().values()):
-            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
-    finally:
-        sys.path.remove(str(patched_tree))
+    from utils.torch_utils import ModelEMA
+    from yolov9_ddp.ema import EmaUpdater
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Conv2d(8, 4, 1))
+    upstream, kit = ModelEMA(model), ModelEMA(model)
+    update = EmaUpdater(kit, model, foreach=True)
+    for step in range(5):
+        if validated_between and step == 2:
+            for ema in (upstream, kit):
+                ema.ema.half()
+                ema.ema.float()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+            model[1].running_mean.add_(1.0)
+        upstream.update(model)
+        update(model)
+    assert kit.updates == upstream.updates == 5
+    for (name, a), b in zip(upstream.ema.state_dict().items(), kit.ema.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_lever_overrides_are_parsed_and_checked():
