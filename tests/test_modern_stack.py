@@ -16,29 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import PATCHES, SERIES, TINY_CFG, copy_tree, describe, run_python
-from patchkit.gitapply import git_apply
+from testsupport.trees import TINY_CFG, describe, run_python
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
 TRAIN_TIMEOUT_S = 600
 BLOCKED = 'network blocked by the yolov9-ddp tests'
-
-
-@pytest.fixture(scope='module')
-def tree_without(pinned_upstream, tmp_path_factory):
-    """tree_without(n): a copy of the pin with every patch of the series applied except patch n."""
-    built = {}
-
-    def build(number: int) -> Path:
-        if number not in built:
-            skipped = next(name for name in SERIES if name.startswith(f'{number:04d}-'))
-            tree = copy_tree(pinned_upstream, tmp_path_factory.mktemp(f'without-{number:04d}') / 'yolov9')
-            result = git_apply(tree, [PATCHES / name for name in SERIES if name != skipped])
-            assert result.ok, f'the series without {skipped} does not apply: {result.output}'
-            built[number] = tree
-        return built[number]
-
-    return build
 
 
 def probe(tree: Path, code: str, env: dict, args=()) -> subprocess.CompletedProcess:
@@ -223,10 +205,43 @@ print('ok')
                args=[TINY_CFG, weights])
 
 
-def test_0006_average_precision_is_integrated_with_trapezoid(tree_without, patched_tree, offline_env):
-    # Envelope through (0, 1), (0.2, 1), (0.6, 0.5), (1, 0), every corner on the 101-point grid:
-    # area = 0.2 * 1 + 0.4 * (1 + 0.5) / 2 + 0.4 * 0.5 / 2 = 0.2 + 0.3 + 0.1 = 0.6, exactly by trapezoids.
-    code = '''
+TRAINING_SCRIPTS = ('train.py', 'train_dual.py', 'train_triple.py', 'segment/train.py', 'segment/train_dual.py',
+                    'panoptic/train.py')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('script', TRAINING_SCRIPTS)
+def test_0005_training_scripts_fine_tune_from_a_checkpoint(script, tree_without, demo_data, offline_env, tmp_path):
+    # Without the fix --weights fails at its torch.load, before any training; tests/test_upstream_scripts.py
+    # fine-tunes every script from a checkpoint in the patched tree.
+    weights = tmp_path / 'last.pt'
+    code = ('import sys, torch\nfrom models.yolo import Model\n'
+            'torch.save({"model": Model(sys.argv[1], ch=3, nc=3)}, sys.argv[2])\n')
+    assert probe(tree_without(5), code, offline_env, args=[TINY_CFG, weights]).returncode == 0
+    command = [sys.executable, script, '--data', demo_data, '--weights', weights, '--cfg', TINY_CFG, '--epochs', 1,
+               '--hyp', 'data/hyps/hyp.scratch-high.yaml', '--imgsz', 64, '--device', 'cpu', '--project', tmp_path]
+    result = subprocess.run(list(map(str, command)), cwd=str(tree_without(5)), env=offline_env, capture_output=True,
+                            text=True, timeout=TRAIN_TIMEOUT_S)
+    assert_fails(result, 'Weights only load failed', f'{script}", line')
+
+
+# numpy 1.x, emulated in the installed numpy 2: np.trapezoid hidden, np.trapz the same function, counting its calls.
+NUMPY_1 = '''
+import numpy as np
+integrate, calls = np.trapezoid, []
+del np.trapezoid  # numpy 1.x has no np.trapezoid
+
+
+def trapz(*args, **kwargs):
+    calls.append(args)
+    return integrate(*args, **kwargs)
+
+
+np.trapz = trapz
+'''
+# Envelope through (0, 1), (0.2, 1), (0.6, 0.5), (1, 0), every corner on the 101-point grid:
+# area = 0.2 * 1 + 0.4 * (1 + 0.5) / 2 + 0.4 * 0.5 / 2 = 0.2 + 0.3 + 0.1 = 0.6, exactly by trapezoids.
+AVERAGE_PRECISION = '''
 import warnings
 import numpy as np
 from utils.metrics import compute_ap
@@ -234,37 +249,57 @@ warnings.simplefilter('error', DeprecationWarning)  # numpy 2.0-2.3 deprecate np
 ap, _, _ = compute_ap(np.array([0.2, 0.6]), np.array([1.0, 0.5]))
 print(repr(round(float(ap), 12)))
 '''
-    assert_fix(tree_without(6), patched_tree, code, offline_env, ['trapz'], expected='0.6')
+
+
+def test_0006_average_precision_is_integrated_with_trapezoid_on_numpy_2(tree_without, patched_tree, offline_env):
+    assert not hasattr(np, 'trapz'), 'this numpy still has np.trapz: the numpy 2 claim is untested'
+    assert_fix(tree_without(6), patched_tree, AVERAGE_PRECISION, offline_env, ['trapz'], expected='0.6')
+
+
+def test_0006_average_precision_is_integrated_with_trapz_on_numpy_1(patched_tree, offline_env):
+    # np.trapezoid alone would fail here ("module 'numpy' has no attribute 'trapezoid'"), as 0006 once did.
+    code = NUMPY_1 + AVERAGE_PRECISION + 'assert len(calls) == 1, calls\nprint("ok")\n'
+    result = probe(patched_tree, code, offline_env)
+    assert_works(result)
+    assert result.stdout.split() == ['0.6', 'ok'], describe(result)
 
 
 def test_0007_amp_uses_the_torch_amp_api(tree_without, patched_tree, offline_env):
-    # What a training step runs: the dual loss's VarifocalLoss and autobatch's autocast.
+    # What a training step runs: each TAL loss's VarifocalLoss and autobatch's autocast; and AutoShape (hubconf.py).
     code = '''
-import warnings, torch
+import importlib, sys, warnings, numpy as np, torch
+from models.common import AutoShape
+from models.yolo import Model
 from utils.autobatch import check_train_batch_size
-from utils.loss_tal_dual import VarifocalLoss
 warnings.simplefilter('error', FutureWarning)
 torch.manual_seed(0)
 gt = torch.rand(2, 8, 3)
-loss = VarifocalLoss()(torch.randn(2, 8, 3), gt, (gt > 0.5).float())
-assert torch.isfinite(loss)
+for module in ('utils.loss_tal', 'utils.loss_tal_dual', 'utils.loss_tal_triple', 'utils.segment.loss_tal',
+               'utils.segment.loss_tal_dual', 'utils.panoptic.loss_tal'):
+    loss = importlib.import_module(module).VarifocalLoss()(torch.randn(2, 8, 3), gt, (gt > 0.5).float())
+    assert torch.isfinite(loss)
 assert check_train_batch_size(torch.nn.Conv2d(3, 8, 3), imgsz=64, amp=False) == 16  # CPU: the default
+model = AutoShape(Model(sys.argv[1], ch=3, nc=3).eval())
+assert len(model(np.zeros((64, 64, 3), np.uint8), size=64).pred) == 1
 print('ok')
 '''
-    assert_fix(tree_without(7), patched_tree, code, offline_env, ['FutureWarning', 'torch.cuda.amp'])
+    assert_fix(tree_without(7), patched_tree, code, offline_env, ['FutureWarning', 'torch.cuda.amp'], args=[TINY_CFG])
 
 
-def test_0008_train_dual_accepts_local_rank_with_a_hyphen(tree_without, patched_tree, offline_env):
+@pytest.mark.parametrize('script', [*TRAINING_SCRIPTS, 'classify/train.py'])
+def test_0008_training_scripts_accept_local_rank_with_a_hyphen(script, tree_without, patched_tree, offline_env):
     code = '''
-import sys
-import train_dual
-sys.argv = ['train_dual.py', '--local-rank=0']  # what torch.distributed.launch passes today
-assert train_dual.parse_opt().local_rank == 0
-sys.argv = ['train_dual.py', '--local_rank', '1']  # the old spelling still works
-assert train_dual.parse_opt().local_rank == 1
+import importlib, sys
+script = importlib.import_module(sys.argv[1])
+sys.argv = ['script', '--local-rank=0']  # what torch.distributed.launch passes today
+assert script.parse_opt().local_rank == 0
+sys.argv = ['script', '--local_rank', '1']  # the old spelling still works
+assert script.parse_opt().local_rank == 1
 print('ok')
 '''
-    assert_fix(tree_without(8), patched_tree, code, offline_env, ['unrecognized arguments: --local-rank=0'])
+    module = script.removesuffix('.py').replace('/', '.')
+    assert_fix(tree_without(8), patched_tree, code, offline_env, ['unrecognized arguments: --local-rank=0'],
+               args=[module])
 
 
 # -- 0010: the label cache -----------------------------------------------------------------------
@@ -385,3 +420,44 @@ def test_0010_label_cache_is_never_seen_half_written(fixed, tree_without, patche
     half_written = not isinstance(seen, dict)
     assert half_written is not fixed, \
         f'{"patched" if fixed else "unpatched"}: the reader between the writers loaded {seen!r:.200}'
+
+
+# -- 0013: no pip install at run time ----------------------------------------------------------------------------------
+
+def test_0013_missing_requirements_are_reported_not_installed(tree_without, patched_tree, offline_env):
+    # What segment/predict.py, classify/*.py and hubconf.py call; pip must not run (check_output is its only caller).
+    code = '''
+import utils.general
+calls = []
+utils.general.check_output = lambda *args, **kwargs: calls.append(args) or b''
+utils.general.check_requirements(['no-such-distribution-yolov9-ddp>=1'])
+assert not calls, f'pip was run: {calls}'
+print('ok')
+'''
+    assert_fix(tree_without(13), patched_tree, code, offline_env, ['pip was run', 'no-such-distribution-yolov9-ddp'])
+    reported = probe(patched_tree, code, offline_env)
+    assert 'not found: pip install "no-such-distribution-yolov9-ddp>=1"' in reported.stdout + reported.stderr
+
+
+# -- 0014: plots finish before the process exits -----------------------------------------------------------------------
+
+def test_0014_a_plot_drawn_in_a_thread_is_written_before_the_process_exits(tree_without, patched_tree, offline_env,
+                                                                          tmp_path):
+    # upstream's @threaded plot functions ran in daemon threads, abandoned (or aborting the process) at exit
+    code = '''
+import sys, time
+from pathlib import Path
+from utils import threaded
+
+@threaded
+def slow_plot(path):
+    time.sleep(1.0)
+    Path(path).write_text('plotted')
+
+slow_plot(sys.argv[1])
+print('ok')
+'''
+    for name, tree, written in (('without', tree_without(14), False), ('with', patched_tree, True)):
+        plot = tmp_path / f'{name}.txt'
+        assert_works(probe(tree, code, offline_env, args=[plot]))
+        assert plot.exists() == written, f'{name} the patch: the plot was {"" if plot.exists() else "not "}written'
