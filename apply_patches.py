@@ -4,16 +4,21 @@
   python apply_patches.py TARGET             verify TARGET against the pin, apply the series, install the kit
   python apply_patches.py TARGET --check     dry run; exit 0 if apply would succeed or has nothing to do
   python apply_patches.py TARGET --status    what is applied and installed
-  python apply_patches.py TARGET --revert    restore the pinned bytes and remove the installed kit files
+  python apply_patches.py TARGET --revert    restore the files as they were before apply, remove the kit files
   python apply_patches.py --refresh CLONE    rewrite patches/ from the commits on top of the pin in CLONE
   python apply_patches.py --commits CLONE    apply the series to CLONE as one commit per patch (to edit them)
 
+  --allow-other-revision   (with apply or --check) apply to a tree that is another upstream revision when
+               every patch applies (clean, offset or already upstream); recorded in the target
   --json       (with TARGET) print the report as JSON on stdout; progress goes to stderr
   --markdown   (with --check) print the report as Markdown on stdout, for a CI job summary: a table of
                the patches (status, detail), the touched files whose blob id changed, a one-line verdict
 
-On a tree that is not the pin, --check replays the series on a scratch copy and reports each patch:
-clean, offset (applies, moved), upstream (already contained: skipped), fuzz (applies only with
+Edits to touched files in a git clone of the pin, committed or not, are merged (3-way): a conflict is
+refused with the file, the patch and its hunk named; --revert gives the edited files back. A tree patched by
+an earlier kit version is upgraded by apply (its series taken out, this one applied) or reverted.
+On a tree that is another upstream revision, --check replays the series on a scratch copy and reports each
+patch: clean, offset (applies, moved), upstream (already contained: skipped), fuzz (applies only with
 reduced context), conflict (file, hunk, first mismatching line) or missing (file deleted or renamed).
 
 Exit status: 0 done (or nothing to do), 1 refused or failed (the tree is left as it was),
@@ -27,8 +32,8 @@ import signal
 import sys
 from pathlib import Path
 
-from patchkit.applier import EXIT_FAILED, EXIT_MOVED, EXIT_OK, Applier
-from patchkit.pin import PinError, read_pin
+from patchkit.applier import ALLOW_FLAG, EXIT_FAILED, EXIT_MOVED, EXIT_OK, Applier
+from patchkit.pin import PinError, kit_version, read_pin
 from patchkit.refresh import apply_as_commits, refresh
 from patchkit.series import SeriesError, read_series
 from patchkit.tree import TreeError
@@ -39,8 +44,8 @@ VERDICTS = {EXIT_OK: 'pass', EXIT_MOVED: 'upstream moved, every patch still appl
 MARKDOWN_SPECIAL = re.compile(r'([\\`*_|<>\[\]])')
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+def parse_args(argv, prog):
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split('\n\n')[0],
                                      epilog=__doc__.split('\n\n', 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('target', nargs='?', type=Path, help='root folder of a YOLOv9 clone or copy')
@@ -50,6 +55,9 @@ def parse_args(argv):
     mode.add_argument('--revert', action='store_true', help='take the series and the installed files back out')
     mode.add_argument('--refresh', metavar='CLONE', type=Path, help='regenerate patches/ from commits in CLONE')
     mode.add_argument('--commits', metavar='CLONE', type=Path, help='apply the series to CLONE as commits')
+    parser.add_argument(ALLOW_FLAG, action='store_true', help='apply to another upstream revision when every patch '
+                        'applies (no fuzz, no conflict)')
+    parser.add_argument('--version', action='version', version=f'yolov9-ddp {kit_version()}')
     output = parser.add_mutually_exclusive_group()
     output.add_argument('--json', action='store_true', help='print a machine-readable report on stdout')
     output.add_argument('--markdown', action='store_true', help='with --check: print the report as Markdown')
@@ -61,6 +69,8 @@ def parse_args(argv):
         parser.error('give the TARGET folder (a YOLOv9 clone)')
     if args.markdown and not args.check:
         parser.error('--markdown renders the report of --check')
+    if args.allow_other_revision and (args.status or args.revert or maintainer_mode):
+        parser.error(f'{ALLOW_FLAG} goes with apply or --check')
     return args
 
 
@@ -130,7 +140,7 @@ def run(args, log):
     if args.commits:
         apply_as_commits(args.commits, pin, patches, log=log)
         return None, EXIT_OK
-    applier = Applier(args.target, pin, patches, log=log)
+    applier = Applier(args.target, pin, patches, log=log, allow_other_revision=args.allow_other_revision)
     operation = applier.check if args.check else applier.status if args.status else \
         applier.revert if args.revert else applier.apply
     return operation()
@@ -140,8 +150,8 @@ def interrupt(signum, frame):
     raise KeyboardInterrupt  # unwinds through the journal, which puts the tree back
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def main(argv=None, prog='apply_patches.py'):
+    args = parse_args(argv, prog)
     signal.signal(signal.SIGTERM, interrupt)
     # With --json or --markdown, stdout carries only that document; progress goes to stderr.
     log = (lambda msg: print(msg, file=sys.stderr)) if args.json or args.markdown else print
@@ -149,16 +159,16 @@ def main(argv=None):
         report, code = run(args, log)
     except (TreeError, PinError, SeriesError) as e:
         hint = getattr(e, 'hint', '')
-        print(f'apply_patches.py: error: {e}', file=sys.stderr)
+        print(f'{prog}: error: {e}', file=sys.stderr)
         if hint:
-            print(f'apply_patches.py: hint: {hint}', file=sys.stderr)
+            print(f'{prog}: hint: {hint}', file=sys.stderr)
         if args.json:
             print(json.dumps({'ok': False, 'exit': EXIT_FAILED, 'error': str(e), 'hint': hint}, indent=1))
         elif args.markdown:
             print(markdown_error(args.target, f'{e}. {hint}'.strip()))
         return EXIT_FAILED
     except KeyboardInterrupt:
-        print('apply_patches.py: interrupted; the tree is as it was before this run', file=sys.stderr)
+        print(f'{prog}: interrupted; the tree is as it was before this run', file=sys.stderr)
         return 130
     if report is not None:
         report.update(ok=code == EXIT_OK, exit=code)
@@ -169,6 +179,24 @@ def main(argv=None):
         else:
             print_report(report, log)
     return code
+
+
+# The console command of an installed kit: `yolov9-ddp SUBCOMMAND ...` is `apply_patches.py ...` with these flags.
+SUBCOMMANDS = {'apply': [], 'check': ['--check'], 'status': ['--status'], 'revert': ['--revert'],
+               'refresh': ['--refresh'], 'commits': ['--commits']}
+
+
+def console_main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (['--version'], ['-V']):
+        print(f'yolov9-ddp {kit_version()}')
+        return EXIT_OK
+    if not argv or argv[0] not in SUBCOMMANDS:
+        print(f'usage: yolov9-ddp {{{",".join(SUBCOMMANDS)}}} ARGS (the flags of apply_patches.py), or --version\n'
+              f'yolov9-ddp: error: {"give a subcommand" if not argv else f"unknown subcommand {argv[0]!r}"}',
+              file=sys.stderr)
+        return 2
+    return main(SUBCOMMANDS[argv[0]] + argv[1:], prog=f'yolov9-ddp {argv[0]}')
 
 
 if __name__ == '__main__':

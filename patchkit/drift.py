@@ -1,26 +1,15 @@
-"""Drift report: how each patch of the series fares against a tree that is not the pinned one.
+"""Drift report: the series replayed patch by patch on a tree's content (the tree itself is only read).
 
-The series is replayed in order on a scratch copy of the touched files; the tree itself is only read.
-Each patch gets one status:
-
-  clean      applies as written
-  offset     applies, with hunks found some lines away from where they were written
-  upstream   already contained in the tree (it reverse-applies): skipped
-  fuzz       applies only with reduced context (git apply -C1): drift, the patch needs a refresh
-  conflict   does not apply: the file, the hunk and the first line that does not match are named
-  missing    a file the patch modifies is not in the tree (deleted or renamed upstream)
-
-The first three pass: the series still goes in (an 'upstream' patch can simply be dropped). A patch
-that applies (clean, offset, fuzz) is kept on the scratch copy, so later patches are checked against
-the tree they would really meet; line numbers in a report count in the file as the earlier patches
-leave it.
+Each patch gets one status: clean (applies as written), offset (applies, hunks found some lines away),
+upstream (already contained: it reverse-applies; skipped), fuzz (applies only with reduced context,
+git apply -C1), conflict (does not apply: the file, the hunk and the first line that does not match are
+named) or missing (a file it modifies is not in the tree). The first three pass. A patch that applies
+stays applied, so later patches meet the tree they really would (line numbers count in the file as the
+earlier patches leave it); when every patch passes, the result is what `--allow-other-revision` applies.
 """
 import re
-import tempfile
-from pathlib import Path
 
-from patchkit.gitapply import OFFSET, git_apply
-from patchkit.tree import copy_files
+from patchkit.gitcmd import OFFSET, apply_diff, failed_at, first_error
 
 PASSES = ('clean', 'offset', 'upstream')
 HUNK_HEADER = re.compile(r'^@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@', re.M)
@@ -28,38 +17,36 @@ CHECKING = re.compile(r'^Checking patch (\S+)\.\.\.$')
 REDUCED = re.compile(r'Context reduced to \((\d+)/(\d+)\) to apply fragment at (\d+)')
 
 
-def replay_series(target: Path, patches) -> list:
-    """One report dict per patch: {'name', 'status', 'passes', ...details}."""
+def replay_series(contents: dict, patches):
+    """(one report dict per patch: {'name', 'status', 'passes', ...details}, contents with every patch that
+    applied applied): the series replayed on a tree's content ({path: bytes or None})."""
     reports = []
-    with tempfile.TemporaryDirectory(prefix='yolov9-ddp-drift.') as scratch:
-        scratch = Path(scratch)
-        copy_files(target, sorted({f for p in patches for f in p.files}), scratch)
-        for patch in patches:
-            report = replay_patch(scratch, patch)
-            reports.append({'name': patch.name, 'passes': report['status'] in PASSES, **report})
-    return reports
+    for patch in patches:
+        report, contents = replay_patch(contents, patch)
+        reports.append({'name': patch.name, 'passes': report['status'] in PASSES, **report})
+    return reports, contents
 
 
-def replay_patch(scratch: Path, patch) -> dict:
-    missing = [f for f in patch.files if f not in patch.new_files and not (scratch / f).is_file()]
+def replay_patch(contents: dict, patch):
+    missing = [f for f in patch.files if f not in patch.new_files and contents.get(f) is None]
     if missing:
         return {'status': 'missing', 'file': missing[0],
-                'detail': f'{missing[0]} is not in the tree (deleted or renamed upstream)'}
-    forward = git_apply(scratch, [patch.path], '-v')
-    if forward.ok:
+                'detail': f'{missing[0]} is not in the tree (deleted or renamed upstream)'}, contents
+    applied, forward = apply_diff(contents, patch.diff, '-v')
+    if applied is not None:
         offsets = [{'file': path, 'hunk': int(m[1]), 'line': int(m[2]), 'offset': int(m[3])}
-                   for path, m in per_file(forward.output, OFFSET)]
+                   for path, m in per_file(forward, OFFSET)]
         if not offsets:
-            return {'status': 'clean'}
-        return {'status': 'offset', 'offsets': offsets, 'detail': describe_offsets(offsets)}
-    if git_apply(scratch, [patch.path], '-R', '--check').ok:
-        return {'status': 'upstream', 'detail': 'the change is already in the tree; the patch can be dropped'}
-    fuzzed = git_apply(scratch, [patch.path], '-C1', '-v')
-    if fuzzed.ok:
+            return {'status': 'clean'}, applied
+        return {'status': 'offset', 'offsets': offsets, 'detail': describe_offsets(offsets)}, applied
+    if apply_diff(contents, patch.diff, '-R', '--check')[0] is not None:
+        return {'status': 'upstream', 'detail': 'the change is already in the tree; the patch can be dropped'}, contents
+    applied, fuzzed = apply_diff(contents, patch.diff, '-C1', '-v')
+    if applied is not None:
         detail = 'applies only with reduced context (git apply -C1)'
-        reduced = [f'{path} at line {m[3]} (context {m[1]}/{m[2]})' for path, m in per_file(fuzzed.output, REDUCED)]
-        return {'status': 'fuzz', 'detail': f"{detail}: {', '.join(reduced)}" if reduced else detail}
-    return {'status': 'conflict', **describe_conflict(scratch, patch, forward)}
+        reduced = [f'{path} at line {m[3]} (context {m[1]}/{m[2]})' for path, m in per_file(fuzzed, REDUCED)]
+        return {'status': 'fuzz', 'detail': f"{detail}: {', '.join(reduced)}" if reduced else detail}, applied
+    return {'status': 'conflict', **describe_conflict(contents, patch, forward)}, contents
 
 
 def describe_offsets(offsets) -> str:
@@ -74,30 +61,22 @@ def per_file(output: str, pattern) -> list:
     """[(file, match)] for each line of `git apply -v` output matching pattern, with the file git was checking."""
     found, path = [], None
     for line in output.splitlines():
-        checking = CHECKING.match(line)
-        if checking:
-            path = checking.group(1)
-        match = pattern.search(line)
-        if match:
-            found.append((path, match))
+        path = CHECKING.match(line).group(1) if CHECKING.match(line) else path
+        found += [(path, match) for match in [pattern.search(line)] if match]
     return found
 
 
-def describe_conflict(scratch: Path, patch, result) -> dict:
+def describe_conflict(contents: dict, patch, output) -> dict:
     # git's first error line may be "error: while searching for:"; the "patch failed" line names the place
-    detail = next((text for text in result.output.splitlines() if 'patch failed:' in text), result.first_error)
-    failure = result.failure
-    if failure is None or failure[1] is None:
-        return {'detail': detail}
-    path, line = failure  # git names the line the failing hunk was written for
-    hunks = file_hunks(patch.diff, path)
+    detail = next((text for text in output.splitlines() if 'patch failed:' in text), first_error(output))
+    path, line = failed_at(output) or (None, None)
+    hunks = file_hunks(patch.diff, path) if path else []
     if not hunks:
-        return {'file': path, 'line': line, 'detail': detail}
+        return {'detail': detail, **({'file': path, 'line': line} if path else {})}
     number, old_start, expected = min(hunks, key=lambda h: abs(h[1] - line))
-    report = {'file': path, 'hunk': number, 'line': old_start, 'detail': detail}
-    actual = (scratch / path).read_text(errors='replace').splitlines()
-    report.update(first_mismatch(actual, expected, old_start))
-    return report
+    actual = (contents.get(path) or b'').decode(errors='replace').splitlines()
+    return {'file': path, 'hunk': number, 'line': old_start, 'detail': detail,
+            **first_mismatch(actual, expected, old_start)}
 
 
 def first_mismatch(actual: list, expected: list, written_at: int) -> dict:
@@ -120,15 +99,7 @@ def first_mismatch(actual: list, expected: list, written_at: int) -> dict:
 
 def file_hunks(diff: str, path: str) -> list:
     """[(hunk number in the file, old start line, lines the hunk expects to find)] for one file of a diff."""
-    for section in re.split(r'(?m)^(?=diff --git )', diff):
-        if not section.startswith(f'diff --git a/{path} '):
-            continue
-        hunks = []
-        bodies = HUNK_HEADER.split(section)
-        # split gives [preamble, start, count, body, start, count, body, ...]
-        for number, index in enumerate(range(1, len(bodies), 3), 1):
-            body = bodies[index + 2].split('\n')[1:]
-            expected = [l[1:] for l in body if l[:1] in (' ', '-')]
-            hunks.append((number, int(bodies[index]), expected))
-        return hunks
-    return []
+    section = next((s for s in re.split(r'(?m)^(?=diff --git )', diff) if s.startswith(f'diff --git a/{path} ')), '')
+    parts = HUNK_HEADER.split(section)  # [preamble, start, count, body, start, count, body, ...]
+    return [(number, int(parts[i]), [line[1:] for line in parts[i + 2].split('\n')[1:] if line[:1] in (' ', '-')])
+            for number, i in enumerate(range(1, len(parts), 3), 1)]

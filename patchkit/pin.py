@@ -1,14 +1,20 @@
-"""The pinned upstream, read from patches/UPSTREAM, and content checks against it.
+"""The kit's own files, the pinned upstream read from patches/UPSTREAM, and content checks against it.
 
-patches/UPSTREAM is the only place the kit names the upstream commit. Besides the repository and
-the commit it records the git blob id of every file of that commit: the files the series touches
-(checked before every apply) and the rest of the tree (checked when the tree is rebuilt offline).
+patches/UPSTREAM is the only place the kit names the upstream commit. It also records the git blob id of every
+file of that commit: the files the series touches (checked before every apply) and the rest of the tree (checked
+when the tree is rebuilt offline).
 """
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-KIT_ROOT = Path(__file__).resolve().parents[1]
+# Files the applier installs into the target (an entry point, or a package folder), relative to the kit root.
+# A wheel of the kit carries them and patches/ under patchkit/kit/ (setup.py), a checkout at its root.
+INSTALLED = ('ddp_train.py', 'ddp_train_dual.py', 'ddp_train_triple.py', 'segment/ddp_train.py',
+             'segment/ddp_train_dual.py', 'yolov9_ddp')
+PACKAGED = Path(__file__).resolve().parent / 'kit'
+KIT_ROOT = PACKAGED if PACKAGED.is_dir() else Path(__file__).resolve().parents[1]
 PATCH_DIR = KIT_ROOT / 'patches'
 PIN_FILE = PATCH_DIR / 'UPSTREAM'
 
@@ -36,9 +42,27 @@ class Pin:
         return {**self.tree, **self.touched}
 
 
-def blob_id(data: bytes) -> str:
-    """The id `git hash-object` gives these bytes: equal ids mean byte-identical files."""
-    return hashlib.sha1(b'blob %d\0' % len(data) + data).hexdigest()
+def blob_id(data: bytes):
+    """The id `git hash-object` gives these bytes (equal ids mean byte-identical files); None for None."""
+    return None if data is None else hashlib.sha1(b'blob %d\0' % len(data) + data).hexdigest()
+
+
+def is_installed(path: str) -> bool:
+    """Whether a path of the target (relative, with /) is one of the kit's installed files."""
+    return any(path == name or path.startswith(f'{name}/') for name in INSTALLED)
+
+
+def kit_files() -> dict:
+    """{path relative to the target: bytes} of every kit file the applier installs."""
+    paths = [path for name in INSTALLED for path in [KIT_ROOT / name, *sorted((KIT_ROOT / name).rglob('*'))]]
+    return {path.relative_to(KIT_ROOT).as_posix(): path.read_bytes() for path in paths
+            if path.is_file() and '__pycache__' not in path.parts}
+
+
+def kit_version() -> str:
+    """yolov9_ddp.__version__, read without importing the package (an installed kit carries it as data)."""
+    text = (KIT_ROOT / 'yolov9_ddp' / '__init__.py').read_text(encoding='utf-8')
+    return re.search(r"^__version__ = '([^']+)'", text, re.M).group(1)
 
 
 def file_blob_id(path: Path):

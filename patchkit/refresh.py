@@ -1,91 +1,88 @@
-"""Maintainers' round trip between the patch series and commits in a real clone.
+"""Maintainers' round trip between the patch series and commits in a real clone, as ollama's Makefile.sync does it.
 
-`--commits CLONE` turns the series into one commit per patch on top of the pin, so the patches can
-be edited as ordinary .py files (and rebased when upstream moves). `--refresh CLONE` writes the
-commits between the pin and HEAD back into patches/, series and UPSTREAM. The output depends only
-on the commits: running it twice gives the same bytes, whatever the local git configuration.
+`--commits CLONE` feeds the series to `git am -3`, one commit per patch on top of the pin, to edit them as .py
+files (and rebase them when upstream moves). `--refresh CLONE` writes the commits pin..HEAD back into patches/,
+series and UPSTREAM with `git format-patch --zero-commit`, each mail rewritten as a DEP-3 patch: the same commits
+give the same bytes, whatever the user's or the system's git configuration.
 """
+import email
+import email.policy
+import os
+import re
 from pathlib import Path
 
-import git
-
-from patchkit.applier import INSTALL_SOURCES
-from patchkit.gitapply import git_apply
-from patchkit.pin import PATCH_DIR, PIN_FILE, Pin, format_pin
-from patchkit.series import SERIES_FILE, TRAILERS, format_patch_text, slug, split_commit_message
+from patchkit.gitcmd import first_error, git
+from patchkit.pin import PATCH_DIR, PIN_FILE, Pin, format_pin, is_installed
+from patchkit.series import DIFF_HEADER, SERIES_FILE, TRAILERS, format_patch_text, slug, split_commit_message
 from patchkit.tree import TreeError, write_bytes_atomic
 
-# Options that pin down every configurable aspect of `git diff` output.
-DIFF_OPTIONS = ('--no-color', '--no-ext-diff', '--no-textconv', '--no-renames', '--full-index', '--unified=3',
-                '--diff-algorithm=myers', '--src-prefix=a/', '--dst-prefix=b/')
-DIFF_CONFIG = ('-c', 'core.quotepath=true', '-c', 'diff.noprefix=false', '-c', 'diff.mnemonicprefix=false')
-REQUIRED_TRAILERS = ('Upstream-Status', 'Last-Update')
+NO_CONFIG = {'GIT_CONFIG_NOSYSTEM': '1', 'GIT_CONFIG_GLOBAL': os.devnull}
 # Commits made by --commits carry the kit's name; --refresh ignores authors, so no personal data reaches patches/.
-KIT_IDENTITY = {'GIT_AUTHOR_NAME': 'yolov9-ddp', 'GIT_AUTHOR_EMAIL': 'yolov9-ddp@users.noreply.github.com',
-                'GIT_COMMITTER_NAME': 'yolov9-ddp', 'GIT_COMMITTER_EMAIL': 'yolov9-ddp@users.noreply.github.com'}
+NAME, EMAIL = 'yolov9-ddp', 'yolov9-ddp@users.noreply.github.com'
+KIT_IDENTITY = {**NO_CONFIG, 'GIT_AUTHOR_NAME': NAME, 'GIT_AUTHOR_EMAIL': EMAIL, 'GIT_COMMITTER_NAME': NAME,
+                'GIT_COMMITTER_EMAIL': EMAIL}
+FORMAT_PATCH = ('-c', 'core.quotepath=true', 'format-patch', '--stdout', '--zero-commit', '--no-signature',
+                '--keep-subject', '--no-notes', '--no-color', '--full-index', '--stat=72', '--no-renames',
+                '--unified=3', '--diff-algorithm=myers', '--src-prefix=a/', '--dst-prefix=b/')
+MAIL_START = f'From {"0" * 40} Mon Sep 17 00:00:00 2001\n'
+# format-patch follows the diffstat with a summary of created, deleted and mode-changed files; patches do not.
+STAT_SUMMARY = re.compile(r'(?m)^( (create|delete) mode | mode change ).*\n|^\n')
 
 
-def open_clone(clone: Path, pin: Pin) -> git.Repo:
-    try:
-        repo = git.Repo(clone)
-    except (git.NoSuchPathError, git.InvalidGitRepositoryError) as e:
-        raise TreeError(f'{clone} is not a git clone', 'give the path of a git clone of the upstream') from e
-    try:
-        repo.commit(pin.commit)
-    except (ValueError, git.BadName) as e:
+def open_clone(clone: Path, pin: Pin):
+    if not Path(clone).is_dir() or git(clone, 'rev-parse', '--git-dir', check=False).returncode:
+        raise TreeError(f'{clone} is not a git clone', 'give the path of a git clone of the upstream')
+    if git(clone, 'cat-file', '-e', f'{pin.commit}^{{commit}}', check=False).returncode:
         raise TreeError(f'{clone} does not contain the pinned commit {pin.short}',
-                        f'fetch it: git -C {clone} fetch {pin.repository} {pin.commit}') from e
-    if repo.is_dirty(untracked_files=False):
+                        f'fetch it: git -C {clone} fetch {pin.repository} {pin.commit}')
+    if git(clone, 'status', '--porcelain', '--untracked-files=no').stdout:
         raise TreeError(f'{clone} has uncommitted changes', 'commit or stash them first')
-    return repo
 
 
-def git_text(repo: git.Repo, *args) -> str:
-    """Output of a git command in repo, exactly as git wrote it (GitPython would strip the final newline)."""
-    return repo.git.execute(['git', *DIFF_CONFIG, *args], strip_newline_in_stdout=False)
-
-
-def series_commits(repo: git.Repo, pin: Pin) -> list:
-    if not repo.is_ancestor(pin.commit, repo.head.commit):
-        raise TreeError(f'HEAD of {repo.working_tree_dir} does not sit on top of the pin {pin.short}',
+def series_commits(clone: Path, pin: Pin) -> list:
+    if git(clone, 'merge-base', '--is-ancestor', pin.commit, 'HEAD', check=False).returncode:
+        raise TreeError(f'HEAD of {clone} does not sit on top of the pin {pin.short}',
                         'rebase your commits onto the pin, or bump the pin in patches/UPSTREAM first')
-    commits = list(repo.iter_commits(f'{pin.commit}..HEAD', reverse=True))
+    commits = git(clone, 'rev-list', '--reverse', f'{pin.commit}..HEAD').stdout.split()
     if not commits:
         raise TreeError(f'no commits between the pin {pin.short} and HEAD', 'nothing to refresh')
-    for commit in commits:
-        if len(commit.parents) != 1:
-            raise TreeError(f'commit {commit.hexsha[:7]} is a merge', 'rebase to a linear history first')
+    merges = git(clone, 'rev-list', '--merges', f'{pin.commit}..HEAD').stdout.split()
+    if merges:
+        raise TreeError(f'commit {merges[0][:7]} is a merge', 'rebase to a linear history first')
     return commits
 
 
-def patch_for_commit(repo: git.Repo, commit) -> str:
-    summary, body, fields = split_commit_message(commit.message)
-    missing = [t for t in REQUIRED_TRAILERS if t not in fields]
+def patch_for_mail(commit: str, mail: str):
+    """(summary, DEP-3 patch text) of one mail of format-patch."""
+    message = email.message_from_string(mail, policy=email.policy.default)
+    body, _, rest = message.get_payload().partition('\n---\n')
+    summary, description, fields = split_commit_message(f"{message['subject']}\n\n{body}")
+    missing = [t for t in ('Upstream-Status', 'Last-Update') if t not in fields]
     if missing:
-        raise TreeError(f'commit {commit.hexsha[:7]} ("{summary}") lacks the trailer line(s) {", ".join(missing)}',
+        raise TreeError(f'commit {commit[:7]} ("{summary}") lacks the trailer line(s) {", ".join(missing)}',
                         'amend its message: "Upstream-Status: Pending" and "Last-Update: YYYY-MM-DD" lines')
-    parent = commit.parents[0].hexsha
-    names = git_text(repo, 'diff', '--name-only', '--no-renames', parent, commit.hexsha).split()
-    kit_owned = [n for n in names if n.split('/')[0] in INSTALL_SOURCES]
+    stat, _, diff = rest.partition('\ndiff --git ')
+    diff = 'diff --git ' + diff.rstrip('\n') + '\n'
+    kit_owned = [path for path, _ in DIFF_HEADER.findall(diff) if is_installed(path)]
     if kit_owned:
-        raise TreeError(f'commit {commit.hexsha[:7]} changes {kit_owned[0]}, a file the kit installs itself',
+        raise TreeError(f'commit {commit[:7]} changes {kit_owned[0]}, a file the kit installs itself',
                         'drop that file from the commit; edit it in the kit repository instead')
-    stat = git_text(repo, 'diff', '--stat=72', '--no-color', '--no-renames', parent, commit.hexsha)
-    diff = git_text(repo, 'diff', *DIFF_OPTIONS, parent, commit.hexsha)
-    ordered = {k: fields[k] for k in TRAILERS if k in fields}
-    return format_patch_text(summary, body, ordered, stat, diff)
+    ordered = {k: fields[k] for k in TRAILERS if k in fields}  # in the DEP-3 order, whatever the commit's
+    return summary, format_patch_text(summary, description, ordered, STAT_SUMMARY.sub('', stat + '\n'), diff)
 
 
 def refresh(clone: Path, pin: Pin, patch_dir: Path = PATCH_DIR, log=print) -> list:
     """Rewrite patch_dir from the commits pin..HEAD of clone; returns the patch file names."""
-    repo = open_clone(clone, pin)
-    commits = series_commits(repo, pin)
+    open_clone(clone, pin)
+    commits = series_commits(clone, pin)
+    mails = git(clone, *FORMAT_PATCH, f'{pin.commit}..HEAD', env=NO_CONFIG).stdout.split(MAIL_START)[1:]
     texts = {}
-    for number, commit in enumerate(commits, 1):
-        summary = split_commit_message(commit.message)[0]
-        texts[f'{number:04d}-{slug(summary)}.patch'] = patch_for_commit(repo, commit)
-    pinned = {blob.path: blob.hexsha for blob in repo.commit(pin.commit).tree.traverse() if blob.type == 'blob'}
-    changed = git_text(repo, 'diff', '--name-only', '--no-renames', pin.commit, repo.head.commit.hexsha).split()
+    for number, (commit, mail) in enumerate(zip(commits, mails), 1):
+        summary, text = patch_for_mail(commit, mail)
+        texts[f'{number:04d}-{slug(summary)}.patch'] = text
+    listing = git(clone, 'ls-tree', '-r', '-z', pin.commit).stdout.split('\0')
+    pinned = {entry.split('\t', 1)[1]: entry.split()[2] for entry in listing if ' blob ' in entry}
+    changed = git(clone, 'diff', '--name-only', '-z', '--no-renames', pin.commit, 'HEAD').stdout.split('\0')
     touched = {path: pinned[path] for path in changed if path in pinned}
     tree = {path: blob for path, blob in pinned.items() if path not in touched}
     texts[SERIES_FILE] = ''.join(f'{name}\n' for name in texts)
@@ -94,19 +91,29 @@ def refresh(clone: Path, pin: Pin, patch_dir: Path = PATCH_DIR, log=print) -> li
         (patch_dir / stale).unlink()
     for name, text in texts.items():
         path = patch_dir / name
-        if not path.is_file() or path.read_text() != text:
+        if not path.is_file() or path.read_text(encoding='utf-8') != text:
             write_bytes_atomic(path, text.encode())
-    log(f'wrote {len(commits)} patches from {clone} ({pin.short}..{repo.head.commit.hexsha[:7]}) into {patch_dir}')
+    log(f'wrote {len(commits)} patches from {clone} ({pin.short}..{commits[-1][:7]}) into {patch_dir}')
     return [n for n in texts if n.endswith('.patch')]
 
 
+def as_mail(patch) -> str:
+    """A patch of the series as a mail for `git am`: the summary as subject, the rest of its message, the diff."""
+    headers = (f'{MAIL_START}From: {NAME} <{EMAIL}>\nSubject: {patch.summary}\n'
+               'MIME-Version: 1.0\nContent-Type: text/plain; charset=UTF-8\nContent-Transfer-Encoding: 8bit\n\n')
+    trailers = ''.join(f'{k}: {v}\n' for k, v in patch.fields.items())
+    return headers + (f'{patch.body}\n\n' if patch.body else '') + trailers + '---\n' + patch.diff
+
+
 def apply_as_commits(clone: Path, pin: Pin, patches, log=print):
-    """Apply the series to a clone of the pin, one commit per patch, for maintainers to edit."""
-    repo = open_clone(clone, pin)
-    for patch in patches:
-        result = git_apply(Path(repo.working_tree_dir), [patch.path], '--index')
-        if not result.ok:
-            raise TreeError(f'{patch.name} does not apply to HEAD of {clone}: {result.first_error}',
-                            f'check out the pin first: git -C {clone} checkout {pin.commit}')
-        repo.git.commit('--quiet', '--no-verify', '-m', patch.commit_message.rstrip('\n'), env=KIT_IDENTITY)
-    log(f'committed {len(patches)} patches on top of {repo.head.commit.hexsha[:7]}~{len(patches)} in {clone}')
+    """Apply the series to a clone of the pin with `git am -3`, one commit per patch, for maintainers to edit."""
+    open_clone(clone, pin)
+    result = git(clone, 'am', '-3', '--keep', '--quiet', input=''.join(map(as_mail, patches)), check=False,
+                 env=KIT_IDENTITY)
+    if result.returncode:
+        git(clone, 'am', '--abort', check=False)
+        number = re.search(r'Patch failed at (\d+)', result.stdout + result.stderr)
+        name = patches[int(number.group(1)) - 1].name if number else 'the series'
+        raise TreeError(f'{name} does not apply to HEAD of {clone}: {first_error(result.stderr)}',
+                        f'check out the pin first: git -C {clone} checkout {pin.commit}')
+    log(f'committed {len(patches)} patches on top of {pin.short} in {clone}')

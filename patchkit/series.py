@@ -1,7 +1,5 @@
-"""The patch series: patches/series, the numbered patch files and their DEP-3 headers.
-
-A patch file opens with a DEP-3 header (https://dep-team.pages.debian.net/deps/dep3/), then `---`,
-a diffstat and the `git diff` text:
+"""The patch series: patches/series, the numbered patch files, each a DEP-3 header
+(https://dep-team.pages.debian.net/deps/dep3/), `---`, a diffstat and the `git diff` text:
 
     Description: <one-line summary>
      <longer explanation, each line indented by one space; ' .' stands for an empty line>
@@ -16,7 +14,7 @@ The same text maps one-to-one onto a git commit (summary, body, trailer lines), 
 `apply_patches.py --refresh` writes patches from a maintainer's commits and `--commits` turns them back.
 """
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from patchkit.pin import PATCH_DIR
@@ -36,37 +34,26 @@ class SeriesError(Exception):
 @dataclass
 class Patch:
     name: str
-    path: Path
     summary: str
     body: str  # the longer description, plain text, paragraphs separated by blank lines
     fields: dict  # other header fields (Upstream-Status, Last-Update, ...), in file order
     diff: str  # from the first `diff --git` line to the end
-    files: list = field(default_factory=list)  # paths the diff modifies, in order
-    new_files: list = field(default_factory=list)  # paths the diff creates
-
-    @property
-    def commit_message(self):
-        parts = [self.summary]
-        if self.body:
-            parts.append(self.body)
-        parts.append('\n'.join(f'{k}: {v}' for k, v in self.fields.items()))
-        return '\n\n'.join(parts) + '\n'
+    files: list  # paths the diff modifies, in order
+    new_files: list  # paths the diff creates
 
 
-def parse_patch_text(name: str, text: str, path: Path = None) -> Patch:
+def parse_patch_text(name: str, text: str) -> Patch:
     start = DIFF_HEADER.search(text)
     if start is None:
         raise SeriesError(f'{name}: no "diff --git" section; the file is not a patch or is truncated')
     header = text[:start.start()].split('\n---\n', 1)[0].splitlines()
-    fields, lines, current = {}, {}, None
+    fields, description, current = {}, [], None  # continuation lines: of Description, the body
     for number, line in enumerate(header, 1):
         match = FIELD_LINE.match(line)
         if match:
-            current = match.group(1)
-            fields[current] = match.group(2).strip()
-            lines[current] = []
+            current, fields[match[1]] = match[1], match[2].strip()
         elif line.startswith(' ') and current:
-            lines[current].append('' if line.strip() == '.' else line[1:])
+            description += ['' if line.strip() == '.' else line[1:]] if current == 'Description' else []
         elif line.strip():
             raise SeriesError(f'{name}: header line {number} is not a "Field: value" line: {line!r}')
     missing = [f for f in REQUIRED_FIELDS if not fields.get(f)]
@@ -74,11 +61,9 @@ def parse_patch_text(name: str, text: str, path: Path = None) -> Patch:
         raise SeriesError(f'{name}: header lacks {", ".join(missing)} (a DEP-3 header must open the patch)')
     diff = text[start.start():]
     sections = [(DIFF_HEADER.match(s).group(2), s) for s in re.split(r'(?m)^(?=diff --git )', diff) if s]
-    files = [path for path, _ in sections]
     new_files = [path for path, section in sections if re.search(r'(?m)^new file mode ', section)]
-    summary = fields.pop('Description')
-    body = '\n'.join(lines.get('Description', [])).strip('\n')
-    return Patch(name, path, summary, body, fields, diff, files, new_files)
+    body = '\n'.join(description).strip('\n')
+    return Patch(name, fields.pop('Description'), body, fields, diff, [path for path, _ in sections], new_files)
 
 
 def format_patch_text(summary: str, body: str, fields: dict, diffstat: str, diff: str) -> str:
@@ -91,40 +76,27 @@ def format_patch_text(summary: str, body: str, fields: dict, diffstat: str, diff
 def read_series(patch_dir: Path = PATCH_DIR) -> list:
     series = patch_dir / SERIES_FILE
     try:
-        names = [line.split('#', 1)[0].strip() for line in series.read_text().splitlines()]
+        names = [line.split('#', 1)[0].strip() for line in series.read_text(encoding='utf-8').splitlines()]
     except OSError as e:
         raise SeriesError(f'cannot read {series}: {e.strerror}') from e
     patches = []
     for name in filter(None, names):
-        path = patch_dir / name
         try:
-            text = path.read_text()
+            text = (patch_dir / name).read_text(encoding='utf-8')
         except (OSError, UnicodeDecodeError) as e:
             raise SeriesError(f'{name}: listed in {series} but cannot be read ({e})') from e
-        patches.append(parse_patch_text(name, text, path))
+        patches.append(parse_patch_text(name, text))
     if not patches:
         raise SeriesError(f'{series} lists no patches')
     return patches
 
 
-def touched_files(patches) -> list:
-    """Upstream files the series modifies (files it creates are not upstream's)."""
-    created = {f for p in patches for f in p.new_files}
-    return sorted({f for p in patches for f in p.files} - created)
-
-
 def split_commit_message(message: str):
     """(summary, body, trailer fields) of a commit message written as a patch header."""
-    lines = message.strip('\n').splitlines()
-    summary, rest = lines[0].strip(), lines[1:]
-    fields, body = {}, []
-    for line in rest:
-        match = FIELD_LINE.match(line)
-        if match and match.group(1) in TRAILERS:
-            fields[match.group(1)] = match.group(2).strip()
-        else:
-            body.append(line)
-    return summary, '\n'.join(body).strip('\n'), fields
+    summary, *rest = message.strip('\n').splitlines()
+    trailers = {line: match for line in rest for match in [FIELD_LINE.match(line)] if match and match[1] in TRAILERS}
+    body = '\n'.join(line for line in rest if line not in trailers).strip('\n')
+    return summary.strip(), body, {match[1]: match[2].strip() for match in trailers.values()}
 
 
 def slug(summary: str, limit=52) -> str:

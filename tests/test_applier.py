@@ -4,24 +4,23 @@ git clones, the maintainers' refresh round trip and crash safety.
 Every test works on its own copy of the pinned upstream and runs apply_patches.py as a subprocess,
 the way a user runs it. "Unchanged" means snapshot() equal: the same listing and the same bytes.
 """
-import fcntl
 import json
-import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
-from conftest import (KIT, PATCHES, SERIES, clean_env, copy_kit, copy_tree, describe, git, make_git_repo,
-                      run_applier, snapshot)
-from patchkit.gitapply import git_apply
 from patchkit.pin import Pin, blob_id, file_blob_id
 from patchkit.refresh import apply_as_commits, refresh
 from patchkit.series import read_series
-from patchkit.tree import JOURNAL_DIR as JOURNAL, STATE_FILE
+from patchkit.tree import JOURNAL_DIR as JOURNAL, STATE_FILE, lock_path
+from testsupport.trees import (KIT, PATCHES, SERIES, clean_env, copy_kit, copy_tree, describe, git, make_git_repo,
+                               run_applier, snapshot)
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -78,8 +77,7 @@ def assert_refused(result, before, target: Path, *facts, hint=None):
 
 
 def apply_first_patches(tree: Path, count: int):
-    result = git_apply(tree, [PATCHES / name for name in SERIES[:count]])
-    assert result.ok, result.output
+    git(tree, 'apply', *(str(PATCHES / name) for name in SERIES[:count]))  # plain git, not the kit's code
 
 
 # -- the pin and the patch files -----------------------------------------------------------------
@@ -207,10 +205,13 @@ def test_check_exit_status_follows_the_documented_contract(pristine_tree):
     check(1, 'does not apply', 'CONFLICT', 'utils/metrics.py')
 
 
-def test_status_reports_patches_and_installed_files(pristine_tree):
+def test_status_reports_patches_and_installed_files(pin, pristine_tree):
     result = apply_ok(pristine_tree, '--status')
-    assert 'pristine' in result.stdout.splitlines()[0]
-    assert result.stdout.count('not applied') == len(SERIES)
+    # a clean tree says so plainly: one line "not applied", a row per patch, no list of missing kit files
+    assert result.stdout.splitlines()[0].endswith(f': pristine (pin {pin.short}); not applied'), describe(result)
+    for name in SERIES:
+        assert re.search(rf'(?m)^\s+{re.escape(name)}\s+not applied$', result.stdout), describe(result)
+    assert 'installed' not in result.stdout and len(result.stdout.splitlines()) == 1 + len(SERIES)
     apply_ok(pristine_tree)
     result = apply_ok(pristine_tree, '--status')
     assert 'applied' in result.stdout.splitlines()[0]
@@ -252,7 +253,7 @@ def test_apply_and_revert_in_a_git_clone_with_unrelated_local_commits(pin, prist
 
     result = run_applier(pristine_tree, '--json')
     assert result.returncode == 0, describe(result)
-    assert json.loads(result.stdout)['repository'] is True  # the GitPython path was taken
+    assert json.loads(result.stdout)['repository'] is True  # seen as a git clone
     assert all(file_blob_id(pristine_tree / path) != blob for path, blob in pin.touched.items())
     assert status_json(pristine_tree)['state'] == 'applied'
 
@@ -311,7 +312,8 @@ def test_refresh_regenerates_the_series_byte_for_byte(pin, pinned_upstream, tmp_
 
     first, second = refresh_round_trip(clone, stand_in, patch_dir)
     assert second == first, 'a second refresh rewrote different bytes'
-    kit = {p.name: p.read_bytes() for p in PATCHES.iterdir() if p.name != 'UPSTREAM'}
+    # patches/previous/ holds what earlier kit versions applied: kit data that no refresh writes
+    kit = {p.name: p.read_bytes() for p in PATCHES.iterdir() if p.is_file() and p.name != 'UPSTREAM'}
     assert {name: data for name, data in first.items() if name != 'UPSTREAM'} == kit
     present = {path for path in pin.all_blobs if (clone / path).is_file()}
     assert first['UPSTREAM'].decode() == upstream_text_for(pin, root_commit, present)
@@ -360,13 +362,19 @@ def test_refuses_a_touched_file_that_differs_from_the_pin(pin, pristine_tree):
                    pin.touched['utils/general.py'], blob_id(general.read_bytes()), hint='check out the pin')
 
 
-def test_refuses_local_edits_in_a_git_clone(pristine_tree):
+def test_local_edits_in_a_git_clone_are_merged_and_given_back(pristine_tree):
+    # This used to be refused ("commit or stash your edits"), a dead end: after stash and apply, `git stash pop`
+    # conflicts. The clone holds the pinned blobs, so the edit is merged in (the cases: tests/test_clone.py).
     make_git_repo(pristine_tree)
-    with open(pristine_tree / 'utils' / 'general.py', 'a') as f:
+    general = pristine_tree / 'utils' / 'general.py'
+    with open(general, 'a') as f:
         f.write('# work in progress\n')
-    before = snapshot(pristine_tree)
-    assert_refused(run_applier(pristine_tree), before, pristine_tree, 'utils/general.py', 'local edits',
-                   hint='git stash')
+    edited = general.read_bytes()
+    result = apply_ok(pristine_tree)
+    assert 'applied, merging your edits in utils/general.py' in result.stdout, describe(result)
+    assert general.read_text().endswith('# work in progress\n') and general.read_bytes() != edited
+    apply_ok(pristine_tree, '--revert')
+    assert general.read_bytes() == edited
 
 
 def test_refuses_a_half_applied_series_and_reverts_it(pristine_tree, pinned_upstream):
@@ -395,14 +403,11 @@ def test_refuses_a_patch_file_without_its_dep3_header(pristine_tree, tmp_path):
     assert_refused(run_applier(pristine_tree, kit=kit), before, pristine_tree, SERIES[1], 'Upstream-Status')
 
 
-def test_refuses_while_another_applier_holds_the_tree(pristine_tree):
+def test_refuses_while_another_applier_holds_the_tree(pristine_tree, monkeypatch):
     before = snapshot(pristine_tree)
-    fd = os.open(pristine_tree, os.O_RDONLY)  # the lock apply_patches.py takes: flock on the folder itself
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    monkeypatch.setattr(tempfile, 'tempdir', str(pristine_tree.parent))  # the applier's TMPDIR (run_applier)
+    with FileLock(str(lock_path(pristine_tree.resolve()))):  # the lock an apply_patches.py run holds
         result = run_applier(pristine_tree)
-    finally:
-        os.close(fd)
     assert_refused(result, before, pristine_tree, 'another apply_patches.py is working')
 
 
@@ -454,8 +459,8 @@ sys.exit(apply_patches.main({argv!r}))
 
 def signal_inside(tree: Path, function: str, signal_name: str, *args) -> subprocess.CompletedProcess:
     code = SIGNAL_DRIVER.format(kit=str(KIT), function=function, signal=signal_name, argv=[str(tree), *args])
-    return subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=clean_env(),
-                          timeout=300)
+    return subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300,
+                          env=clean_env(TMPDIR=str(tree.parent)))  # as run_applier: the lock file beside the tree
 
 
 def kill_inside(tree: Path, function: str, *args):

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import (KIT, PATCHES, SERIES, clean_env, copy_kit, copy_tree, describe, git, make_git_repo, run_applier,
-                      snapshot)
 from patchkit.pin import file_blob_id
+from testsupport.trees import (KIT, PATCHES, SERIES, clean_env, commit_upstream, copy_kit, copy_tree, describe, git,
+                               make_git_repo, run_applier, snapshot)
 
 WORKFLOW = KIT / '.github' / 'workflows' / 'upstream-regression.yml'
 README = KIT / 'README.md'
@@ -36,8 +36,9 @@ def patch_named(prefix: str) -> str:
 
 
 def commit_all(repo: Path, message: str):
-    git(repo, 'add', '--all')
-    git(repo, 'commit', '--quiet', '--no-verify', '-m', message)
+    """Upstream moves: its commit is on the remote-tracking branch (a commit of the user's own would be a local
+    edit, which apply_patches.py merges)."""
+    commit_upstream(repo, message)
 
 
 def insert_at_top(path: Path, count: int):
@@ -132,7 +133,9 @@ def test_lines_inserted_above_a_hunk_give_offset_and_exit_3(pin, upstream_repo):
     moved = drift[patch_named('0006')]
     assert moved['status'] == 'offset' and moved['passes'] is True
     assert [(o['file'], o['hunk'], o['offset']) for o in moved['offsets']] == [('utils/metrics.py', 1, 2)]
-    assert_others_clean(drift, '0006')
+    also_moved = drift[patch_named('0009')]  # distributed validation adds its helper to utils/metrics.py too
+    assert also_moved['status'] == 'offset' and all(o['offset'] == 2 for o in also_moved['offsets'])
+    assert_others_clean(drift, '0006', '0009')
     assert all(entry['passes'] for entry in drift.values())
     assert changed_files(report) == {'utils/metrics.py': (pin.touched['utils/metrics.py'], file_blob_id(metrics))}
 
@@ -218,7 +221,8 @@ def test_a_prefix_of_the_series_outside_git_history_names_both_readings(pristine
 # -- (d) a touched file deleted or renamed -------------------------------------------------------
 
 @pytest.mark.parametrize('move, path, prefixes, shifted', [
-    ('rm', 'utils/metrics.py', ('0006',), ()),
+    # 0009 adds lines to val_triple.py above 0011's hunk; without 0009 that hunk sits higher
+    ('rm', 'utils/metrics.py', ('0006', '0009'), ('0011',)),
     # 0003 also adds a line to utils/general.py; without it, 0005's hunk there sits one line higher
     ('mv', 'utils/plots.py', ('0003', '0004'), ('0005',)),
 ], ids=['deleted', 'renamed'])
@@ -458,7 +462,9 @@ def test_the_readme_refresh_path_carries_the_series_onto_a_new_upstream(pinned_u
     assert f'commit {new}\n' in pin_text
     touched = dict(reversed(line.split()) for line in
                    pin_text.split('[touched]\n', 1)[1].split('\n\n', 1)[0].splitlines())
-    assert 'utils/loggers/__init__.py' not in touched  # only patch 0001 touched it
+    changed = {path for name in series
+               for path in re.findall(r'(?m)^diff --git a/(\S+) ', (kit / 'patches' / name).read_text())}
+    assert set(touched) == changed  # exactly the files the refreshed patches change
     assert touched == {path: git(clone, 'rev-parse', f'{new}:{path}').strip() for path in touched}
 
     # 6. the refreshed series applies cleanly to a fresh checkout of the new upstream, with the resolution in.

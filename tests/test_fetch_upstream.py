@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import KIT, cache_dir, describe, file_lock, snapshot, upstream_problems
+from testsupport.trees import KIT, cache_dir, describe, file_lock, snapshot, upstream_problems
 from patchkit.upstream import UpstreamError, check_provided_tree, download_wheels, verify_tree
 
 
