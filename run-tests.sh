@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
-# Set up .venv from requirements.txt (first run only) and run the whole test suite, offline-capable:
-# the pinned upstream is rebuilt from PyPI wheels (or taken from $YOLOV9_UPSTREAM) and cached in ~/.cache/yolov9-ddp.
+# Set up .venv (requirements.txt and requirements-test.txt at the exact versions of constraints/newest.txt) and run
+# the whole test suite, offline-capable: the pinned upstream is rebuilt from PyPI wheels (or taken from
+# $YOLOV9_UPSTREAM) and cached in ~/.cache/yolov9-ddp. Arguments go to pytest (e.g. -m smoke, -k NAME).
 set -euo pipefail
 cd "$(dirname "$0")"
-if [ ! -x .venv/bin/python ]; then
-    python3 -m venv .venv
-fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
+tools/make-venv.sh .venv constraints/newest.txt requirements-test.txt
 exec .venv/bin/python -m pytest -q tests "$@"

@@ -7,9 +7,12 @@ Ranks come from torchrun's environment: RANK is global (across nodes), LOCAL_RAN
 import contextlib
 import datetime
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
+
+from yolov9_ddp import environment
 
 DEFAULT_TIMEOUT_S = 3 * 60 * 60  # generous: a first epoch that builds caches may keep ranks apart for long
 
@@ -70,7 +73,11 @@ def broadcast_object(obj, src=0):
     if not is_distributed():
         return obj
     holder = [obj]
-    dist.broadcast_object_list(holder, src=src)
+    with warnings.catch_warnings():
+        # torch 2.4 and 2.5 unpickle the tensors of a received object with their own torch.load(io.BytesIO(b))
+        # (torch/storage.py), which warns about weights_only: a warning about torch's code, on every rank but src
+        warnings.filterwarnings('ignore', 'You are using `torch.load` with `weights_only=False`', FutureWarning)
+        dist.broadcast_object_list(holder, src=src)
     return holder[0]
 
 
@@ -140,29 +147,48 @@ def run_staged(build):
     return result
 
 
+def backend_for(device: torch.device) -> str:
+    return 'nccl' if device.type == 'cuda' else 'gloo'
+
+
 def collective_device() -> torch.device:
     return torch.device('cuda', torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
 
 
 def select_device(device_arg: str) -> torch.device:
-    """The device of this process: --device as in upstream ('', 'cpu', '0', '0,1'), LOCAL_RANK picks the GPU."""
+    """The device of this process: --device as in upstream ('', 'cpu', '0', '0,1'), LOCAL_RANK picks the GPU.
+
+    Without --device and without a usable GPU, one process trains on the CPU as upstream does (the banner says
+    why); several processes are refused, rather than silently training N gloo processes on the CPU."""
     choice = str(device_arg).strip().lower().replace('cuda:', '').replace('none', '')
-    local_rank, local_world = get_local_rank(), get_local_world_size()
+    local_rank, local_world, world = get_local_rank(), get_local_world_size(), launched_world_size()
     if choice == 'cpu':
         return torch.device('cpu')
     if choice:
         # like upstream: the ids name the visible GPUs; must be set before CUDA initialises
         os.environ['CUDA_VISIBLE_DEVICES'] = choice
-        if not torch.cuda.is_available():
-            raise LaunchError(f'--device {device_arg} asks for CUDA, but no CUDA device is available here; '
-                              f'use --device cpu')
-    elif not torch.cuda.is_available():
+    if not torch.cuda.is_available():
+        why = environment.cuda_unusable_reason() or 'torch.cuda.is_available() is False'
+        unusable = f'torch {torch.__version__} cannot use CUDA here ({why})'
+        if choice:
+            raise LaunchError(f'--device {device_arg} asks for CUDA, but {unusable}: use --device cpu, or install '
+                              f'a torch build that your NVIDIA driver supports')
+        if world > 1:
+            raise LaunchError(f'{world} processes without --device cpu, but {unusable}: add --device cpu to train '
+                              f'{world} CPU processes with gloo, or install a torch build that your NVIDIA driver '
+                              f'supports')
         return torch.device('cpu')
     count = torch.cuda.device_count()
     if local_world > count:
         raise LaunchError(f'{local_world} processes on this node but only {count} CUDA device(s) visible; '
                           f'use --nproc_per_node {count} or fewer')
     return torch.device('cuda', local_rank)
+
+
+def print_banner(device: torch.device, device_arg: str):
+    """Rank 0: one line with torch, its CUDA, the devices, the backend and the world size."""
+    if launched_rank() == 0:
+        print(environment.banner(device, device_arg, launched_world_size(), backend_for(device)), flush=True)
 
 
 def per_attempt_store(timeout) -> dict:
@@ -193,9 +219,8 @@ def process_group(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S):
         return
     if device.type == 'cuda':
         torch.cuda.set_device(device)
-    backend = 'nccl' if device.type == 'cuda' else 'gloo'
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == 'cuda' else None,
+    dist.init_process_group(backend=backend_for(device), timeout=timeout, device_id=device if device.type == 'cuda' else None,
                             **per_attempt_store(timeout))
     try:
         yield
