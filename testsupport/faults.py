@@ -1,13 +1,12 @@
-"""Launching real multi-process jobs (torchrun, gloo on CPU) in a patched tree, for the DDP tests; and jobs of
-the fault-injection driver tests/ddp_probes/faulty_train.py with what they left behind, for tests/test_faults.py
-and bench/reliability.py."""
+"""Fault scenarios: jobs of the fault-injection driver testsupport/probes/faulty_train.py and what they left
+behind. tests/test_faults.py asserts on them in detail; bench/reliability.py counts them."""
 import csv
 import hashlib
 import io
 import json
 import os
+import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,51 +14,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-KIT = Path(__file__).resolve().parents[1]
-PROBE = Path(__file__).resolve().parent / 'ddp_probes' / 'probe.py'
-TINY_CFG = KIT / 'yolov9_ddp' / 'models' / 'tiny-dual.yaml'
+from testsupport.jobs import job_env, run, task_cfg, torchrun_cmd, train_args
+from testsupport.trees import TINY_CFG
+
+DUAL = 'detect-dual'  # the task of ddp_train_dual.py (yolov9_ddp.tasks), the default of every scenario
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-
-def job_env(**extra) -> dict:
-    """Environment for a job: gloo on loopback, one thread per process (2 cores run several processes)."""
-    env = {**os.environ, 'GLOO_SOCKET_IFNAME': 'lo', 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1',
-           'MPLBACKEND': 'Agg', 'YOLOv5_VERBOSE': 'True'}
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def torchrun_cmd(nproc: int, *args, launcher=('--nnodes', '1')) -> list:
-    return [sys.executable, '-m', 'torch.distributed.run', *launcher, '--nproc_per_node', str(nproc),
-            '--master_addr', '127.0.0.1', '--master_port', str(free_port()), *map(str, args)]
-
-
-def run(cmd, cwd, timeout=300, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=cwd, env=env or job_env(), capture_output=True, text=True, timeout=timeout)
-
-
-def train_args(data_yaml, project, epochs=2, batch=8, imgsz=64, *extra) -> list:
-    return ['--data', data_yaml, '--cfg', TINY_CFG, '--epochs', epochs, '--batch-size', batch, '--imgsz', imgsz,
-            '--device', 'cpu', '--workers', 0, '--project', project, '--name', 'exp', '--noplots', *extra]
-
-
-def run_probe(tree, nproc, mode, out: Path, args, config=None, timeout=300):
-    """Run tests/ddp_probes/probe.py MODE under torchrun (nproc > 1) or as one process; returns its JSON."""
-    script = [PROBE, mode, out, *args]
-    cmd = torchrun_cmd(nproc, *script) if nproc > 1 else [sys.executable, *map(str, script)]
-    result = run(cmd, tree, timeout, job_env(PROBE_CONFIG=json.dumps(config or {})))
-    assert result.returncode == 0, f'probe {mode} x{nproc} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}'
-    return json.loads(out.read_text())
-
-
-# -- fault injection: jobs of tests/ddp_probes/faulty_train.py, for tests/test_faults.py and bench/reliability.py ------
-
-FAULTY = Path(__file__).resolve().parent / 'ddp_probes' / 'faulty_train.py'
+FAULTY = Path(__file__).resolve().parent / 'probes' / 'faulty_train.py'
 FAULT_EPOCHS = 3  # epochs of a fault scenario: a fault in epoch 1 leaves an epoch before it and one after
 STOP_DEADLINE_S = 60  # a signalled job must be gone within this
 MARK_SLOW = 'mark:rank=0:where=step:epoch=1:step=1:sleep=2'  # rank 0 says "mid-epoch 1" and lingers there
@@ -191,10 +152,12 @@ def weights_snapshot(run_dir: Path) -> dict:
         if folder.is_dir() else {}
 
 
-def completed_run_problems(project: Path, epochs: int) -> list:
+def completed_run_problems(project: Path, epochs: int, task=DUAL) -> list:
     """Why the job under project did not end as a completed run ([] if it did): one run folder, every epoch in its
-    results.csv, run.json finished, last.pt loadable and stripped as upstream leaves it, no temporary files."""
+    results.csv, run.json finished, last.pt loadable and stripped as the task's upstream script leaves it (train.py:
+    last_striped.pt), no temporary files."""
     from yolov9_ddp import checkpoint, runs
+    from yolov9_ddp.tasks import TASKS
     folders = run_folders(project)
     if len(folders) != 1:
         return [f'{len(folders)} run folders under {project}: {[p.name for p in folders]}']
@@ -205,12 +168,13 @@ def completed_run_problems(project: Path, epochs: int) -> list:
         problems.append(f'results.csv has epochs {rows}, not every epoch 0..{epochs - 1}')
     if not runs.read_record(run_dir).get('finished'):
         problems.append('run.json does not record a finished run')
+    stripped = TASKS[task].stripped(run_dir / 'weights' / 'last.pt')
     try:
-        final = checkpoint.load_checkpoint(run_dir / 'weights' / 'last.pt')
+        final = checkpoint.load_checkpoint(stripped)
         if final['epoch'] != -1 or final['optimizer'] is not None:
-            problems.append(f'last.pt is not the final stripped checkpoint (epoch {final["epoch"]})')
+            problems.append(f'{stripped.name} is not the final stripped checkpoint (epoch {final["epoch"]})')
     except checkpoint.CheckpointError as e:
-        problems.append(f'last.pt does not load: {e}')
+        problems.append(f'{stripped.name} does not load: {e}')
     temporaries = sorted(p.name for p in (run_dir / 'weights').glob('.*.tmp'))
     if temporaries:
         problems.append(f'temporary files left in weights/: {temporaries}')
@@ -222,7 +186,7 @@ def epochs_redone(events: list) -> list:
     it, i.e. the epoch in progress then - the epoch training next started at (rank 0) + 1; 1 means only the epoch
     in progress was lost (at most one checkpoint interval). None: training never started again."""
     starts = sorted((e for e in events if e['kind'] == 'start' and e['rank'] == 0), key=lambda e: e['time'])
-    faults = [e for e in events if e['kind'] == 'fired' and e['fault']['action'] in ('kill', 'stall')]
+    faults = [e for e in events if e['kind'] == 'fired' and e['fault']['action'] in DISRUPTIVE + ('stall',)]
     faults += [e for e in events if e['kind'] == 'exit' and e['rank'] == 0 and e['status'] > 128]
     redone = []
     for fault in sorted(faults, key=lambda e: e['time']):
@@ -298,6 +262,26 @@ KILL_FAULTS = {  # SIGKILLed workers under torchrun --max-restarts, by faulty_tr
     'twice': 'kill:rank=1:where=step:epoch=1:step=2:attempt=0;kill:rank=0:where=step:epoch=2:step=5:attempt=1',
     'while-stripping-at-the-end': 'kill:rank=0:where=strip',
 }
+# SIGKILLed loader workers (one per loader and rank: --workers 1), in every phase of a run
+WORKER_KILL_FAULTS = {
+    'training worker mid-step': 'killworker:rank=1:loader=train:where=step:epoch=1:step=3',
+    'validation worker mid-step': 'killworker:rank=0:loader=val:where=step:epoch=1:step=2',
+    'validation worker mid-validation': 'killworker:rank=1:loader=val:where=val:epoch=1',
+    'training worker while rank 0 writes last.pt': 'killworker:rank=0:loader=train:where=save:epoch=1',
+    'validation worker in the final validation': 'killworker:rank=0:loader=val:where=final_val',
+}
+# An exception on one rank only, and the words its one error line must have
+RAISE_FAULTS = {
+    'in the loss': ('raise:rank=1:where=loss:epoch=1:step=3', ('ValueError: injected fault on rank 1 at loss',)),
+    "in a dataset's __getitem__ (a loader worker)": (
+        'raise:rank=0:where=getitem:step=30', ('ValueError: injected fault on rank 0 at getitem', 'DataLoader worker')),
+    'in validation': ('raise:rank=1:where=val:epoch=0', ('ValueError: injected fault on rank 1 at val',)),
+    'CUDA out of memory': ('raise:rank=1:where=step:epoch=1:step=2:error=oom', ('out of GPU memory',)),
+    'a killed loader worker': ('killworker:rank=0:loader=val:where=step:epoch=1:step=2', ('DataLoader worker',
+                                                                                          'killed by signal')),
+}
+DISRUPTIVE = ('kill', 'killworker', 'raise')  # faulty_train.py actions that end the process they fire in
+WORKERS = ('--workers', 1)  # loader workers, in the scenarios that kill them
 
 
 @dataclass
@@ -319,9 +303,10 @@ class Outcome:
         return f'problems: {self.problems}\nepochs re-run per fault: {self.redone}\ndetail: {self.detail}\n{jobs}'
 
 
-def fault_args(data, project, epochs=FAULT_EPOCHS, *extra) -> list:
-    """Training arguments of a scenario: the tiny model, batch 4 (2 per rank), 64 px, CPU, no loader workers."""
-    return train_args(data, project, epochs, 4, 64, *extra)
+def fault_args(data, project, epochs=FAULT_EPOCHS, *extra, task=DUAL) -> list:
+    """Training arguments of a scenario: the task's tiny model, batch 4 (2 per rank), 64 px, CPU, no loader
+    workers."""
+    return train_args(data, project, epochs, 4, 64, *extra, cfg=task_cfg(task))
 
 
 def error_lines(output: str) -> list:
@@ -343,29 +328,96 @@ def one_error_line_problems(output: str, *fragments, besides=()) -> list:
 
 
 def kill_scenario(tree, data, workdir: Path, fault: str, nproc=2, epochs=FAULT_EPOCHS, max_restarts=3,
-                  timeout=300) -> Outcome:
-    """torchrun --max-restarts with workers that faulty_train.py SIGKILLs as `fault` says: the run must complete
-    every epoch in one folder, restarted once per kill, with every checkpoint seen on the way loadable."""
+                  timeout=300, extra=(), task=DUAL) -> Outcome:
+    """torchrun --max-restarts with workers that faulty_train.py SIGKILLs (or makes raise) as `fault` says: the run
+    must complete every epoch in one folder, restarted once per fault, with every checkpoint seen on the way
+    loadable and no process of the job left afterwards."""
     project = workdir / 'runs'
     with CheckpointWatcher(project / 'exp') as watcher:
-        job = start_job(faulty_torchrun(nproc, fault_args(data, project, epochs), max_restarts), tree, workdir, 'job',
-                        fault)
+        job = start_job(faulty_torchrun(nproc, fault_args(data, project, epochs, *extra, task=task), max_restarts),
+                        tree, workdir, 'job', fault, FAULT_TASK=task)
         job.wait(timeout)
-    output, events = job.output(), job.events()
-    kills = [e for e in events if e['kind'] == 'fired' and e['fault']['action'] == 'kill']
-    expected = sum(item.strip().startswith('kill') for item in fault.split(';'))
+    events = job.events()
+    kills = [e for e in events if e['kind'] == 'fired' and e['fault']['action'] in DISRUPTIVE]
+    expected = sum(item.strip().startswith(DISRUPTIVE) for item in fault.split(';'))
+    problems = [] if len(kills) == expected else [f'{len(kills)} of the {expected} faults happened']
+    problems += restarted_run_problems(job, project, epochs, len(kills), {k['epoch'] for k in kills}, task)
+    return Outcome(project, [job], problems + watcher.problems, epochs_redone(events), watcher,
+                   {'kills': kills, 'rows': results_epochs(project / 'exp')})
+
+
+def random_kill_scenario(tree, data, workdir: Path, seed: int, nproc=2, epochs=6, max_restarts=3,
+                         timeout=300) -> Outcome:
+    """One process of a training job, chosen at random among the trainers and their loader workers, SIGKILLed at a
+    random moment of its first 4 s of training (as the kernel's out-of-memory killer picks; 6 epochs last longer
+    even on a fast machine): the run must complete as in kill_scenario."""
+    rng = random.Random(seed)
+    project = workdir / 'runs'
+    job = start_job(faulty_torchrun(nproc, fault_args(data, project, epochs, *WORKERS), max_restarts), tree, workdir,
+                    'job', 'mark:rank=0:where=step:epoch=0:step=1')
+    wait_for_path(job.records / 'mark-mark', job)
+    time.sleep(rng.uniform(0, 4))
+    processes = {pid: parent_pid(pid) for pid in processes_mentioning(job.marker) if pid != job.proc.pid}
+    if not processes:
+        job.wait(timeout)
+        return Outcome(project, [job], ['the job ended before the kill'], [], None, {})
+    victim = rng.choice(sorted(processes))
+    detail = {'victim': 'trainer' if processes[victim] == job.proc.pid else 'loader worker',
+              'after_start_s': round(time.monotonic() - job.started, 1)}
+    os.kill(victim, signal.SIGKILL)
+    job.wait(timeout)
+    problems = restarted_run_problems(job, project, epochs, 1, None)
+    return Outcome(project, [job], problems, [], None, detail)
+
+
+def parent_pid(pid: int) -> int:
+    try:
+        return int(Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def restarted_run_problems(job: Job, project: Path, epochs: int, faults: int, fault_epochs, task=DUAL) -> list:
+    """Why a job restarted by torchrun after `faults` faults did not end as a completed run: its status, one
+    restart per fault, every epoch in one folder, epochs repeated only where a fault struck (fault_epochs; None:
+    not known), no process of the job left."""
+    output = job.output()
     problems = [] if job.returncode == 0 else [f'exit status {job.returncode}']
-    if len(kills) != expected:
-        problems.append(f'{len(kills)} of the {expected} kills happened')
-    problems += [f'no "torchrun restart {n}: continuing" in the output' for n in range(1, len(kills) + 1)
+    problems += [f'no "torchrun restart {n}: continuing" in the output' for n in range(1, faults + 1)
                  if f'torchrun restart {n}: continuing' not in output]
-    problems += completed_run_problems(project, epochs)
+    problems += completed_run_problems(project, epochs, task)
     rows = results_epochs(project / 'exp')
-    repeated = sorted({e for e in rows if rows.count(e) > 1})
-    if not set(repeated) <= {k['epoch'] for k in kills} or len(rows) - len(set(rows)) > len(kills):
-        problems.append(f'results.csv rows {rows}: epochs repeated beyond one per kill')
-    problems += watcher.problems
-    return Outcome(project, [job], problems, epochs_redone(events), watcher, {'kills': kills, 'rows': rows})
+    repeated = {e for e in rows if rows.count(e) > 1}
+    if len(rows) - len(set(rows)) > faults or (fault_epochs is not None and not repeated <= fault_epochs):
+        problems.append(f'results.csv rows {rows}: epochs repeated beyond one per fault')
+    problems += leftover_problems(job)
+    return problems
+
+
+def failure_scenario(tree, data, workdir: Path, fault: str, fragments, nproc=2, deadline=90) -> Outcome:
+    """A job without restarts in which one rank fails as `fault` says (a killed loader worker, an exception): it
+    must end within `deadline` seconds with a non-zero status, exactly one error line naming every fragment (and
+    the surviving ranks' lines about the failed peer), torchrun's summary showing that cause, and no process of
+    the job left. Without the fix of issue 11 the job hung until its --ddp-timeout."""
+    job = start_job(faulty_torchrun(nproc, fault_args(data, workdir / 'runs', FAULT_EPOCHS, *WORKERS)), tree,
+                    workdir, 'job', fault)
+    job.wait(deadline)
+    output = job.output()
+    problems = [] if job.returncode else ['exit status 0 although a rank failed']
+    if not job.events('fired'):
+        problems.append('the fault did not fire')
+    problems += one_error_line_problems(output, *fragments, besides=(PEER_DIED,))
+    root_cause = output.rpartition('Root Cause (first observed failure):')[2].split('=' * 20)[0]
+    if not all(f in root_cause for f in fragments) or 'error_file: <N/A>' in root_cause:
+        problems.append(f"the root cause in torchrun's summary is not the kit's line: {root_cause.strip()[:800]}")
+    problems += leftover_problems(job)
+    return Outcome(workdir / 'runs', [job], problems, [], None, {'seconds': round(job.wall, 1)})
+
+
+def leftover_problems(job: Job) -> list:
+    """[] when no process of the job is left (loader workers included), else what is still running."""
+    leftovers = lingering(job.marker)
+    return [f'processes of the job still running: {leftovers}'] if leftovers else []
 
 
 def lingering(marker: str, grace=5.0) -> list:
@@ -380,17 +432,18 @@ def lingering(marker: str, grace=5.0) -> list:
 
 
 def signal_scenario(tree, data, workdir: Path, signum=signal.SIGTERM, save_on_signal=True, nproc=2,
-                    epochs=FAULT_EPOCHS, resume=True) -> Outcome:
+                    epochs=FAULT_EPOCHS, resume=True, task=DUAL) -> Outcome:
     """A job (torchrun with nproc > 1, else one process) with one loader worker per rank gets signum mid-epoch 1,
     sent to the launcher only: it must be gone within STOP_DEADLINE_S with exit status 128 + signum on every rank,
     the process group destroyed, no process left, one 'stopped on' line, and a resumable last.pt
     (--save-on-signal) or the last epoch's untouched; then `--resume last.pt` must complete the run."""
     from yolov9_ddp import checkpoint
+    from yolov9_ddp.tasks import TASKS
     project = workdir / 'runs'
     last = project / 'exp' / 'weights' / 'last.pt'
     extra = ['--workers', 1] + (['--save-on-signal'] if save_on_signal else [])
-    args = fault_args(data, project, epochs, *extra)
-    job = start_job(faulty_launch(nproc, args), tree, workdir, 'stopped', MARK_SLOW)
+    args = fault_args(data, project, epochs, *extra, task=task)
+    job = start_job(faulty_launch(nproc, args), tree, workdir, 'stopped', MARK_SLOW, FAULT_TASK=task)
     wait_for_path(job.records / 'mark-mark', job)
     before = weights_snapshot(project / 'exp')
     signalled = time.monotonic()
@@ -406,8 +459,9 @@ def signal_scenario(tree, data, workdir: Path, signum=signal.SIGTERM, save_on_si
     if sorted(detail['exits']) != [(rank, 128 + signum, nproc > 1) for rank in range(nproc)]:
         problems.append(f'(rank, exit status, process group destroyed) of the workers: {detail["exits"]}; expected '
                         f'{128 + signum} on each of {nproc} ranks' + (', process group destroyed' if nproc > 1 else ''))
-    if output.count(f'ddp_train_dual.py: stopped on {name}') != 1:
-        problems.append(f'"ddp_train_dual.py: stopped on {name}" appears {output.count("stopped on " + name)} times')
+    stopped = f'{TASKS[task].script}: stopped on {name}'
+    if output.count(stopped) != 1:
+        problems.append(f'"{stopped}" appears {output.count("stopped on " + name)} times')
     if 'destroy_process_group' in output:
         problems.append('a warning about the process group not being destroyed')
     if f'{FAULTY.name}", line' in output:
@@ -426,11 +480,11 @@ def signal_scenario(tree, data, workdir: Path, signum=signal.SIGTERM, save_on_si
             problems.append('weights/ changed after the signal although --save-on-signal was not given')
     jobs = [job]
     if resume and not problems:
-        resumed = resume_job(tree, workdir, last, nproc=nproc)
+        resumed = resume_job(tree, workdir, last, nproc=nproc, task=task)
         jobs.append(resumed)
         if resumed.wait(300):
             problems.append(f'the resumed run exited with {resumed.returncode}')
-        problems += completed_run_problems(project, epochs)
+        problems += completed_run_problems(project, epochs, task)
     return Outcome(project, jobs, problems, epochs_redone(sum((j.events() for j in jobs), [])), None, detail)
 
 
@@ -454,6 +508,7 @@ def stall_scenario(tree, data, workdir: Path, max_restarts=0, ddp_timeout=10, ep
     if gave_up[0]['status'] != 1 or not ddp_timeout <= detail['rank0_gave_up_after'] <= ddp_timeout + 15:
         problems.append(f'rank 0 returned {gave_up[0]["status"]} {detail["rank0_gave_up_after"]} s after the stall')
     problems += one_error_line_problems(output, f'--ddp-timeout {ddp_timeout:g} s')
+    problems += leftover_problems(job)
     if max_restarts == 0:
         if job.returncode == 0:
             problems.append('exit status 0 although a rank hung')
@@ -464,12 +519,12 @@ def stall_scenario(tree, data, workdir: Path, max_restarts=0, ddp_timeout=10, ep
     return Outcome(project, [job], problems, epochs_redone(events), None, detail)
 
 
-def interrupted_run(tree, data, workdir: Path, epochs=FAULT_EPOCHS) -> Path:
-    """The folder of a 2-process run killed (rank 1, SIGKILL, no restarts) at the start of its last epoch:
-    weights/last.pt holds epoch E-2 and last.previous.pt epoch E-3."""
+def interrupted_run(tree, data, workdir: Path, epochs=FAULT_EPOCHS, extra=()) -> Path:
+    """The folder of a 2-process run (extra: more training arguments) killed (rank 1, SIGKILL, no restarts) at the
+    start of its last epoch: weights/last.pt holds epoch E-2 and last.previous.pt epoch E-3."""
     from yolov9_ddp import checkpoint
     project = workdir / 'runs'
-    job = start_job(faulty_torchrun(2, fault_args(data, project, epochs)), tree, workdir, 'interrupted',
+    job = start_job(faulty_torchrun(2, fault_args(data, project, epochs, *extra)), tree, workdir, 'interrupted',
                     f'kill:rank=1:where=step:epoch={epochs - 1}:step=0')
     assert job.wait(300) != 0 and job.events('fired'), job.output()[-4000:]
     weights = project / 'exp' / 'weights'
@@ -506,9 +561,9 @@ def damage(path: Path, how: str, tree=None):
         raise ValueError(how)
 
 
-def resume_job(tree, workdir: Path, last: Path, name='resumed', nproc=2, fault='') -> Job:
+def resume_job(tree, workdir: Path, last: Path, name='resumed', nproc=2, fault='', task=DUAL) -> Job:
     return start_job(faulty_launch(nproc, ['--resume', last, '--device', 'cpu', '--workers', 0]), tree, workdir,
-                     name, fault)
+                     name, fault, FAULT_TASK=task)
 
 
 def fallback_scenario(tree, data, workdir: Path, source: Path = None, epochs=FAULT_EPOCHS) -> Outcome:

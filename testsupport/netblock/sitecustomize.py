@@ -1,6 +1,6 @@
 """Block every network connection except loopback in the process that imports this module.
 
-The tests put this folder first on PYTHONPATH (see offline_env in ../conftest.py), so Python imports
+The tests put this folder first on PYTHONPATH (see offline_environment in ../trees.py), so Python imports
 it at start-up, before any code under test runs. Loopback stays open: torch.distributed rendezvous
 and the tests' own local servers use it. Everything else fails at once with an OSError, which is
 what an offline machine gives (urllib turns it into URLError), so code that would download

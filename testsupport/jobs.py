@@ -1,0 +1,75 @@
+"""Launching real multi-process jobs (torchrun, gloo on CPU) in a patched tree, and the probes
+(testsupport/probes/probe.py) that report what each rank of a job saw."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from testsupport.trees import TINY_CFG
+
+PROBE = Path(__file__).resolve().parent / 'probes' / 'probe.py'
+DISTRIBUTED_VAL = Path(__file__).resolve().parent / 'probes' / 'distributed_val.py'
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def job_env(**extra) -> dict:
+    """Environment for a job: gloo on loopback, one thread per process (2 cores run several processes)."""
+    env = {**os.environ, 'GLOO_SOCKET_IFNAME': 'lo', 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1',
+           'MPLBACKEND': 'Agg', 'YOLOv5_VERBOSE': 'True'}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def torchrun_cmd(nproc: int, *args, launcher=('--nnodes', '1')) -> list:
+    return [sys.executable, '-m', 'torch.distributed.run', *launcher, '--nproc_per_node', str(nproc),
+            '--master_addr', '127.0.0.1', '--master_port', str(free_port()), *map(str, args)]
+
+
+def run(cmd, cwd, timeout=300, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env=env or job_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def train_args(data_yaml, project, epochs=2, batch=8, imgsz=64, *extra, cfg=TINY_CFG) -> list:
+    return ['--data', data_yaml, '--cfg', cfg, '--epochs', epochs, '--batch-size', batch, '--imgsz', imgsz,
+            '--device', 'cpu', '--workers', 0, '--project', project, '--name', 'exp', '--noplots', *extra]
+
+
+def task_cfg(task: str) -> Path:
+    """The kit's tiny model of a task (yolov9_ddp.tasks)."""
+    from yolov9_ddp.tasks import TASKS
+    return TINY_CFG.parent / TASKS[task].demo_cfg
+
+
+def run_probe(tree, nproc, mode, out: Path, args, config=None, timeout=300):
+    """Run testsupport/probes/probe.py MODE under torchrun (nproc > 1) or as one process; returns its JSON."""
+    script = [PROBE, mode, out, *args]
+    cmd = torchrun_cmd(nproc, *script) if nproc > 1 else [sys.executable, *map(str, script)]
+    result = run(cmd, tree, timeout, job_env(PROBE_CONFIG=json.dumps(config or {})))
+    assert result.returncode == 0, f'probe {mode} x{nproc} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}'
+    return json.loads(out.read_text())
+
+
+def save_model_state(tree, weights: Path, dest: Path) -> Path:
+    """The float state dict of a checkpoint's model, saved to dest (read in the tree: it pickles upstream's
+    classes), for probes that start every process from the same weights."""
+    code = ('import sys, torch; sys.path.insert(0, "."); '
+            'torch.save(torch.load(sys.argv[1], weights_only=False)["model"].float().state_dict(), sys.argv[2])')
+    subprocess.run([sys.executable, '-c', code, str(weights), str(dest)], cwd=tree, check=True, capture_output=True)
+    return dest
+
+
+def run_distributed_val(tree, nproc, mode, *args, timeout=300) -> subprocess.CompletedProcess:
+    """Run testsupport/probes/distributed_val.py MODE ARGS in a patched tree, under torchrun when nproc > 1."""
+    script = [DISTRIBUTED_VAL, mode, *args]
+    cmd = torchrun_cmd(nproc, *script) if nproc > 1 else [sys.executable, *map(str, script)]
+    result = run(cmd, tree, timeout)
+    assert result.returncode == 0, \
+        f'distributed_val {mode} x{nproc} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}'
+    return result

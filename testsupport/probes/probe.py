@@ -1,0 +1,200 @@
+"""Probes run inside a patched YOLOv9 tree, one process or one per torchrun rank, that drive the real
+yolov9_ddp.trainer.Trainer of a task and report what each rank saw as JSON (written by rank 0).
+
+    python probe.py MODE OUT.json TRAIN_ARGS...          (cwd: the patched tree; PROBE_CONFIG: JSON options,
+                                                           'task' among them: a task of yolov9_ddp.tasks)
+"""
+import hashlib
+import json
+import os
+import sys
+from importlib import import_module
+from pathlib import Path
+
+ROOT = Path.cwd()
+sys.path.insert(0, str(ROOT))
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the kit's testsupport (its yolov9_ddp: the tree's)
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+from testsupport import imagecache  # noqa: E402
+from utils.dataloaders import LoadImagesAndLabels  # noqa: E402
+from yolov9_ddp import cli, comm, data, trainer as kit_trainer  # noqa: E402
+from yolov9_ddp.tasks import TASKS  # noqa: E402
+
+CONFIG = json.loads(os.environ.get('PROBE_CONFIG') or '{}')
+TASK = TASKS[CONFIG.get('task', 'detect-dual')]
+
+
+def state_hash(module: nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def first_norm(module: nn.Module) -> nn.Module:
+    return next(m for m in module.modules() if isinstance(m, nn.BatchNorm2d))
+
+
+# -- probes: each takes a set-up Trainer and returns what this rank observed ------------------------------------------
+
+def probe_sampler(trainer):
+    """The image paths this rank's training loader yields, per epoch."""
+    epochs = []
+    for epoch in range(CONFIG.get('epochs', 3)):
+        data.set_epoch(trainer.train_loader, epoch)
+        epochs.append([p for batch in trainer.train_loader for p in batch[2]])
+    return {'epochs': epochs, 'cache_builds': BUILDS, 'files': list(trainer.dataset.im_files),
+            'padding_bound': trainer.world - 1}
+
+
+def probe_step(trainer):
+    """Optimizer steps on a fixed global batch, from fixed weights, with BatchNorm statistics frozen.
+
+    The global batch is CONFIG['indices'] of the validation dataset (letterboxed, not augmented: the same images
+    and labels, masks too, on every rank), cut into CONFIG['micro'] micro-batches, contiguous runs of them per rank;
+    each rank accumulates its share, so one process with M micro-batches and W processes with M/W each take the
+    same optimizer step. BatchNorm layers run in eval mode: in train mode a layer normalises with the
+    statistics of the rank's own images, which no real DDP run (without SyncBatchNorm) shares either.
+    """
+    model, task = trainer.raw_model, trainer.task
+    model.load_state_dict(torch.load(CONFIG['init'], weights_only=True))
+    trainer.model.train()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.eval()
+    dataset, indices, collate = trainer.val_loader.dataset, CONFIG['indices'], task.collate(quad=False)
+    micro, world, rank = CONFIG['micro'], trainer.world, trainer.rank
+    per_rank, size = micro // world, len(indices) // micro
+    trainer.accumulate, trainer.last_opt_step, trainer.warmup_iters = per_rank, -1, -1
+    grads_after_first = None
+    for step in range(per_rank):
+        first = (rank * per_rank + step) * size
+        batch = collate([dataset[i] for i in indices[first:first + size]])
+        trainer.train_step(step, 0, batch[0].float() / 255, batch[1],
+                           **task.loss_inputs(batch, trainer.device, non_blocking=False))
+        if step == 0 and per_rank > 1:
+            grads_after_first = [p.grad.detach().double().sum().item() for p in model.parameters()
+                                 if p.grad is not None][:8]
+    return {'params': {k: v.detach().cpu().double().flatten().tolist()
+                       for k, v in model.state_dict().items() if v.dtype.is_floating_point},
+            'grads_after_first_micro_step': grads_after_first}
+
+
+def probe_ema(trainer):
+    """EMA and BatchNorm statistics around the per-epoch synchronisation, for each epoch."""
+    seen = []
+    original = kit_trainer.synchronize_ema
+
+    def recording(ema, model):
+        before = first_norm(model).running_mean.tolist()
+        original(ema, model)
+        seen.append({'ema_hash': state_hash(ema.ema), 'bn_before': before,
+                     'bn_after': first_norm(model).running_mean.tolist(),
+                     'ema_updates': ema.updates})
+
+    kit_trainer.synchronize_ema = recording
+    for epoch in range(trainer.opt.epochs):
+        mloss = trainer.train_epoch(epoch)
+        trainer.end_epoch(epoch, mloss, [g['lr'] for g in trainer.optimizer.param_groups])
+    return {'epochs': seen}
+
+
+def probe_val(trainer):
+    """Distributed validation of fixed weights: every rank's metrics and image count."""
+    from models.experimental import attempt_load
+    model = attempt_load(CONFIG['weights'], trainer.device)
+    results, maps, _ = trainer.validate(model, plots=False, compute_loss=False)
+    observed = {'results': [float(x) for x in results], 'maps': [float(x) for x in maps],
+                'shard_batches': len(trainer.val_loader)}
+    if trainer.world == 1:  # the reference: upstream's own validation path, its dataloader included
+        observed['upstream_results'] = upstream_validation(trainer, model)
+    return observed
+
+
+def upstream_validation(trainer, model):
+    """The task's upstream validation over upstream's own dataloader, in one process, as its training script
+    builds them (the segment scripts: utils.segment.dataloaders, with the mask options)."""
+    opt = trainer.opt
+    loaders = import_module('utils.segment.dataloaders' if TASK.masks else 'utils.dataloaders')
+    masks = {'mask_downsample_ratio': opt.mask_ratio, 'overlap_mask': not opt.no_overlap} if TASK.masks else {}
+    batch = trainer.batch_size * 2
+    loader = loaders.create_dataloader(trainer.data_dict['val'], trainer.imgsz, batch, int(model.stride.max()),
+                                       pad=0.5, rect=True, workers=0, **masks)[0]
+    results, _, _ = TASK.validate(data=trainer.data_dict, batch_size=batch, imgsz=trainer.imgsz, model=model,
+                                  dataloader=loader, half=False, plots=False, **TASK.validation_options(opt))
+    return [float(x) for x in results]
+
+
+def job_root() -> int:
+    """The job's first process: torchrun's agent, or this process when it runs alone."""
+    return os.getppid() if 'TORCHELASTIC_RUN_ID' in os.environ else os.getpid()
+
+
+def probe_ramcache(trainer):
+    """--cache ram: what this rank decoded, the images it sees, and (rank 0, once every loader worker of every
+    rank has loaded a batch) which of the job's processes map the shared cache and what it costs the node."""
+    decoded = len(DECODES)
+    loaders = {'train': trainer.train_loader, 'val': trainer.val_loader}
+    datasets = {name: loader.dataset for name, loader in loaders.items()}
+    observed = {'decodes': decoded, 'pid': os.getpid(),
+                'images': {name: type(d.ims).__name__ for name, d in datasets.items()},
+                'digests': {name: imagecache.images_digest(d.ims, d.im_hw0, d.im_hw) for name, d in datasets.items()}}
+    for loader in loaders.values():
+        next(iter(loader))  # starts the loader's (persistent) workers, which load and augment cached images
+    observed['workers'] = [w.pid for loader in loaders.values() for w in getattr(loader._iterator, '_workers', [])]
+    comm.barrier()
+    if comm.is_primary():
+        observed['node'] = imagecache.node_cache_report(imagecache.descendants(job_root()))
+    comm.barrier()  # no rank leaves, taking its workers along, before rank 0 has measured
+    observed['decodes_after_setup'] = len(DECODES) - decoded
+    return observed
+
+
+PROBES = {'sampler': probe_sampler, 'step': probe_step, 'ema': probe_ema, 'val': probe_val, 'ramcache': probe_ramcache}
+BUILDS = []  # (rank, cache path) of every label-cache build in this process
+DECODES = []  # indices of the images this process decoded (upstream's load_image of an image not cached)
+
+
+def count_cache_builds():
+    original = LoadImagesAndLabels.cache_labels
+
+    def counting(self, path, prefix=''):
+        BUILDS.append([comm.get_rank(), str(path)])
+        return original(self, path, prefix)
+
+    LoadImagesAndLabels.cache_labels = counting
+
+
+def count_decodes():
+    original = LoadImagesAndLabels.load_image
+
+    def counting(self, i):
+        if self.ims[i] is None:
+            DECODES.append(i)
+        return original(self, i)
+
+    LoadImagesAndLabels.load_image = counting
+
+
+def main():
+    mode, out, argv = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
+    if CONFIG.get('start_method'):  # how the loaders start their workers (Python 3.14 defaults to forkserver)
+        torch.multiprocessing.set_start_method(CONFIG['start_method'], force=True)
+    count_cache_builds()
+    count_decodes()
+    opt = cli.parse_args(argv, ROOT, TASK)
+    cli.check_options(opt, comm.launched_world_size(), TASK)
+    device = comm.select_device(opt.device)
+    with comm.process_group(device, 300):
+        trainer = kit_trainer.prepare_trainer(TASK, opt, device)
+        observed = comm.all_gather_object(PROBES[mode](trainer))
+        if comm.is_primary():
+            out.write_text(json.dumps({'ranks': observed, 'world': trainer.world}))
+
+
+if __name__ == '__main__':
+    main()
