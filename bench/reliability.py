@@ -1,18 +1,19 @@
 #!/usr/bin/env python3
-"""How reliably ddp_train_dual.py survives faults: the fault scenarios of tests/test_faults.py (killed workers,
-SIGTERM / SIGINT, a stalled rank, damaged or lost checkpoints, a slow shared filesystem on resume), each run K
-times on CPU, as a Markdown table.
+"""How reliably ddp_train_dual.py survives faults: the fault scenarios of tests/test_faults.py (killed trainers and
+loader workers, an exception or out-of-memory error on one rank, SIGTERM / SIGINT, a stalled rank, damaged or lost
+checkpoints, a slow shared filesystem on resume), each run K times on CPU, as a Markdown table.
 
     python bench/reliability.py [--runs 3] [--tree PATCHED_TREE] [--only NAME,...] [--workdir DIR] [--json OUT]
 
 Every run is a real job of 2 processes (torchrun, gloo; the SIGINT one is a single process) on the kit's tiny model
 and a generated dataset of 48 + 16 images at 64 px, 3 epochs. The faults are injected by
-tests/ddp_probes/faulty_train.py and each scenario is the function of tests/ddp_helpers.py that the tests assert
+testsupport/probes/faulty_train.py and each scenario is the function of testsupport/faults.py that the tests assert
 on, so a row here counts exactly what the test checks. Columns:
 
   ended correctly   the run ended as the scenario requires: a completing scenario with every epoch in one run folder,
                     run.json finished, last.pt loadable and stripped, no temporary files, every checkpoint seen while
-                    training loadable; a refusing scenario with one error line, no training, weights/ untouched
+                    training loadable; a refusing scenario with one error line, no training, weights/ untouched;
+                    a failing one promptly with one error line naming the cause, no process of the job left
   epochs re-run     per fault: the epoch in progress at the fault - the epoch training next started at + 1
                     (1 = only the epoch in progress was lost); the largest over all runs
 
@@ -23,9 +24,9 @@ import argparse
 import json
 import os
 import platform
+import random
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,21 +35,33 @@ from datetime import date
 from pathlib import Path
 
 KIT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(KIT), str(KIT / 'tests')]
+sys.path.insert(0, str(KIT))
 
-import ddp_helpers as h  # noqa: E402
+import testsupport.faults as h  # noqa: E402
+from testsupport import trees  # noqa: E402
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset  # noqa: E402
 
 SPEC = DemoSpec(train=48, val=16, imgsz=64)
 COMPLETES, REFUSES, FAILS = 'completes every epoch', 'refused: one error line, nothing written', \
-    'fails fast, one error line'
+    'fails fast, one error line, no process left'
 
 
 def scenarios():
-    """name -> (claim, expected end, function(tree, data, workdir) -> ddp_helpers.Outcome)."""
+    """name -> (claim, expected end, function(tree, data, workdir) -> testsupport.faults.Outcome)."""
     table = {}
     for name, fault in h.KILL_FAULTS.items():
         table[f'SIGKILL {name}'] = ('1', COMPLETES, lambda t, d, w, f=fault: h.kill_scenario(t, d, w, f))
+    for name, fault in h.WORKER_KILL_FAULTS.items():
+        table[f'SIGKILL loader {name}'] = (
+            '1', COMPLETES, lambda t, d, w, f=fault: h.kill_scenario(t, d, w, f, extra=h.WORKERS))
+    table['SIGKILL a random process of the job at a random moment'] = (
+        '1', COMPLETES, lambda t, d, w: h.random_kill_scenario(t, d, w, seed=random.randrange(2 ** 32)))
+    for name, (fault, fragments) in h.RAISE_FAULTS.items():
+        table[f'{name} on one rank, no restarts'] = (
+            '1', FAILS, lambda t, d, w, f=fault, words=fragments: h.failure_scenario(t, d, w, f, words))
+    table['an exception in the loss on one rank, --max-restarts 1'] = (
+        '1', COMPLETES, lambda t, d, w: h.kill_scenario(t, d, w, h.RAISE_FAULTS['in the loss'][0], max_restarts=1,
+                                                        extra=h.WORKERS))
     table['SIGTERM to torchrun, --save-on-signal, then --resume'] = (
         '2', COMPLETES, lambda t, d, w: h.signal_scenario(t, d, w, signal.SIGTERM, save_on_signal=True))
     table['SIGTERM to torchrun, then --resume'] = (
@@ -75,17 +88,10 @@ def scenarios():
 
 
 def patched_tree(workdir: Path) -> Path:
-    from patchkit.pin import read_pin
-    from patchkit.upstream import default_cache_dir, provide_upstream
-    pin = read_pin()
-    cache = Path(os.environ.get('YOLOV9_DDP_CACHE') or default_cache_dir())
-    cached = cache / f'upstream-{pin.commit[:12]}'  # the tests' verified copy, if they have made one
-    tree = workdir / 'yolov9'
-    if cached.is_dir():
-        shutil.copytree(cached, tree, ignore=shutil.ignore_patterns('.git', '__pycache__'))
-    else:
-        provide_upstream(pin, tree, source='pypi', wheel_dir=cache / 'wheels', log=lambda msg: None)
-    subprocess.run([sys.executable, str(KIT / 'apply_patches.py'), str(tree)], check=True, capture_output=True)
+    """A copy of the verified pinned upstream (the tests' cache, or a wheel rebuild) with the kit applied."""
+    tree = trees.copy_tree(trees.pinned_upstream_root(), workdir / 'yolov9')
+    result = trees.run_applier(tree)
+    assert result.returncode == 0, trees.describe(result)
     return tree
 
 

@@ -1,9 +1,9 @@
 """Fault tolerance and hostile input: real torchrun jobs (gloo on CPU, the tiny model, generated data) killed,
 signalled, stalled, restarted, and fed damaged checkpoints and datasets.
 
-Faults come from outside the production code: tests/ddp_probes/faulty_train.py runs ddp_train_dual.main() with
+Faults come from outside the production code: testsupport/probes/faulty_train.py runs ddp_train_dual.main() with
 some of its functions wrapped (a SIGKILL mid-step, mid-validation, half-way through a checkpoint file; a rank that
-hangs before a collective) and records what each rank did. The scenarios live in tests/ddp_helpers.py, shared with
+hangs before a collective) and records what each rank did. The scenarios live in testsupport/faults.py, shared with
 bench/reliability.py, which runs them repeatedly for the README's "Reliability" table.
 
 Covered elsewhere, not repeated here: labels with a class >= nc (tests/test_ddp_errors.py,
@@ -19,11 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from ddp_helpers import (FAULT_EPOCHS, KILL_FAULTS, PROBE, STOP_DEADLINE_S, completed_run_problems,
-                         fallback_scenario, fault_args, faulty_torchrun, free_port, interrupted_run, kill_scenario,
-                         lost_checkpoints_scenario, node_cmd, one_error_line_problems, refused_checkpoint_scenario,
-                         run_folders, signal_scenario, slow_filesystem_resume_scenario, stall_scenario,
-                         start_job, train_args)
+from testsupport.faults import (FAULT_EPOCHS, KILL_FAULTS, RAISE_FAULTS, STOP_DEADLINE_S, WORKER_KILL_FAULTS, WORKERS,
+                                completed_run_problems, failure_scenario, fallback_scenario, fault_args,
+                                faulty_torchrun, interrupted_run, kill_scenario, lost_checkpoints_scenario, node_cmd,
+                                one_error_line_problems, random_kill_scenario, refused_checkpoint_scenario,
+                                run_folders, signal_scenario, slow_filesystem_resume_scenario, stall_scenario,
+                                start_job)
+from testsupport.jobs import PROBE, free_port, train_args
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures('upstream_importable')]
@@ -59,6 +61,40 @@ def test_a_kill_while_the_final_checkpoint_is_stripped_leaves_a_loadable_last_pt
     """At the end rank 0 strips last.pt and best.pt; a kill then must not leave the run without a loadable last.pt."""
     outcome = kill_scenario(patched_tree, dataset, tmp_path, KILL_FAULTS['while-stripping-at-the-end'])
     assert outcome.detail['kills'], outcome.describe()
+    assert not outcome.problems, outcome.describe()
+
+
+# -- 1b. killed loader workers, a failure on one rank (issue 11: these used to hang the job) ----------------------------
+
+@pytest.mark.parametrize('where', list(WORKER_KILL_FAULTS))
+def test_a_killed_loader_worker_restarts_the_job_which_completes(patched_tree, dataset, tmp_path, where):
+    """The kernel's out-of-memory killer often picks a loader worker. The trainer learns of it wherever it is
+    (training, validation, writing a checkpoint, the final validation), fails, and torchrun restarts the job."""
+    outcome = kill_scenario(patched_tree, dataset, tmp_path, WORKER_KILL_FAULTS[where], extra=WORKERS)
+    assert not outcome.problems, outcome.describe()
+    if where != 'validation worker in the final validation':  # that one strikes after the last epoch is saved
+        assert len(outcome.redone) == 1 and outcome.redone[0] in (0, 1), outcome.describe()  # at most its epoch
+
+
+@pytest.mark.parametrize('what', list(RAISE_FAULTS))
+def test_a_failure_on_one_rank_ends_the_job_promptly_with_its_cause(patched_tree, dataset, tmp_path, what):
+    """Without restarts: one error line naming the cause, also in torchrun's summary, the job gone within the
+    deadline (not --ddp-timeout, 3 h) and no process of it left, loader workers included."""
+    fault, fragments = RAISE_FAULTS[what]
+    outcome = failure_scenario(patched_tree, dataset, tmp_path, fault, fragments)
+    assert not outcome.problems, outcome.describe()
+
+
+def test_an_exception_on_one_rank_is_survived_by_a_restart(patched_tree, dataset, tmp_path):
+    fault, _ = RAISE_FAULTS['in the loss']
+    outcome = kill_scenario(patched_tree, dataset, tmp_path, fault, max_restarts=1, extra=WORKERS)
+    assert not outcome.problems, outcome.describe()
+    assert outcome.redone == [1], outcome.describe()
+
+
+@pytest.mark.parametrize('seed', [1, 2])
+def test_a_random_process_of_the_job_killed_at_a_random_moment(patched_tree, dataset, tmp_path, seed):
+    outcome = random_kill_scenario(patched_tree, dataset, tmp_path, seed)
     assert not outcome.problems, outcome.describe()
 
 

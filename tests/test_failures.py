@@ -1,0 +1,166 @@
+"""yolov9_ddp.failures: the one-line causes, the record torchrun reads, and the ways loader workers are ended
+(issue 11). The jobs that prove the whole chain are in test_faults.py; these are the fast, focused checks."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.utils.data import DataLoader, Dataset
+
+from testsupport.trees import KIT
+from yolov9_ddp import failures
+
+
+class Raising(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        raise ValueError(f'bad sample {index}')
+
+
+def raised(function):
+    try:
+        function()
+    except Exception as e:  # noqa: BLE001 - the exception is what the test looks at
+        return e
+    raise AssertionError('nothing was raised')
+
+
+def test_out_of_memory_says_what_to_lower_without_a_traceback():
+    line, traceback_helps = failures.cause(torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 2 GiB'))
+    assert line.startswith('out of GPU memory (CUDA out of memory. Tried to allocate 2 GiB)') and '--batch-size' in line
+    assert not traceback_helps
+
+
+def test_a_killed_loader_worker_names_the_oom_killer():
+    line, traceback_helps = failures.cause(RuntimeError('DataLoader worker (pid 123) is killed by signal: Killed. '))
+    assert line.startswith('DataLoader worker (pid 123) is killed by signal: Killed.') and 'out-of-memory' in line
+    assert not traceback_helps
+
+
+def test_an_exception_in_a_loader_worker_is_named_by_its_own_type_and_message():
+    error = raised(lambda: next(iter(DataLoader(Raising(), num_workers=1))))
+    line, traceback_helps = failures.cause(error)
+    assert line.startswith('ValueError: bad sample 0 (in a DataLoader worker, at '), line
+    assert traceback_helps and '\n' not in line
+
+
+def test_any_other_exception_is_one_line_with_the_place_it_came_from():
+    def loss():
+        raise ValueError('bad box\nsecond line')
+    line, traceback_helps = failures.cause(raised(loss))
+    assert line.startswith('ValueError: bad box (at test_failures.py:') and line.endswith(' in loss)'), line
+    assert traceback_helps
+
+
+def test_the_record_is_what_torchrun_reads_as_the_cause(tmp_path, monkeypatch):
+    error_file = tmp_path / 'error.json'
+    monkeypatch.setenv('TORCHELASTIC_ERROR_FILE', str(error_file))
+    before = int(time.time())
+    failures.record_for_torchrun('ddp_train_dual.py [rank 1]: out of GPU memory')
+    failure = ProcessFailure(local_rank=1, pid=4321, exitcode=1, error_file=str(error_file))
+    assert failure.message == 'ddp_train_dual.py [rank 1]: out of GPU memory'
+    assert before <= failure.timestamp <= time.time()
+    assert json.loads(error_file.read_text())['message'] == failure.message
+
+
+def test_no_record_outside_torchrun(tmp_path, monkeypatch):
+    monkeypatch.delenv('TORCHELASTIC_ERROR_FILE', raising=False)
+    monkeypatch.chdir(tmp_path)
+    failures.record_for_torchrun('anything')
+    assert list(tmp_path.iterdir()) == []
+
+
+def run_script(code: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, '-c', textwrap.dedent(code), str(KIT)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason='the kernel-side guarantee (prctl) exists on Linux only')
+def test_a_worker_dies_with_its_trainer(tmp_path):
+    """A worker ignoring SIGTERM (as loader workers do) whose parent is SIGKILLed is gone at once."""
+    result = run_script(f'''
+        import os, signal, sys, time
+        sys.path.insert(0, sys.argv[1])
+        from yolov9_ddp import failures
+        parent = os.getpid()
+        child = os.fork()
+        if child == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            failures.die_with_parent(parent)
+            time.sleep(60)
+            os._exit(0)
+        open({str(tmp_path / 'child')!r}, 'w').write(str(child))
+        time.sleep(0.5)
+        os.kill(parent, signal.SIGKILL)
+    ''', timeout=30)
+    assert result.returncode == -9, result.stderr
+    child = int((tmp_path / 'child').read_text())
+    deadline = time.monotonic() + 3
+    while pid_alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(child), 'the worker outlived its trainer'
+
+
+EXIT_WITH_STUBBORN_CHILDREN = '''
+    import multiprocessing, signal, sys, time
+    sys.path.insert(0, sys.argv[1])
+    from yolov9_ddp import failures
+
+    def stubborn():  # a loader worker: SIGTERM is its trainer's business
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(120)
+
+    if __name__ == '__main__':
+        {arm}
+        for _ in range(2):
+            multiprocessing.Process(target=stubborn, daemon=True).start()
+        time.sleep(0.5)
+        print(' '.join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
+'''
+
+
+def test_children_that_ignore_sigterm_cannot_block_the_exit():
+    """multiprocessing's exit handler SIGTERMs daemonic children and joins them: children that ignore SIGTERM hang
+    the exit (the control run shows it); with end_children_at_exit the process exits at once, children gone."""
+    with pytest.raises(subprocess.TimeoutExpired) as hung:
+        run_script(EXIT_WITH_STUBBORN_CHILDREN.format(arm='pass'), timeout=6)
+    for pid in (hung.value.output or b'').split():  # the control's children, orphaned by the timeout
+        os.kill(int(pid), signal.SIGKILL)
+    # the children sleep 120 s: a process that waits for them times out here
+    result = run_script(EXIT_WITH_STUBBORN_CHILDREN.format(arm='failures.end_children_at_exit()'), timeout=90)
+    assert result.returncode == 0, result.stderr
+    children = [int(pid) for pid in result.stdout.split()]
+    assert len(children) == 2 and not any(pid_alive(pid) for pid in children)
+
+
+def test_a_dead_peer_is_named_as_such_in_gloo_s_own_words():
+    gloo = RuntimeError('[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer '
+                        '[127.0.0.1]:44963. This is typically caused by a remote worker crashing. Check the logs')
+    assert failures.collective_failure(gloo, 60) == ('a collective operation failed: another rank died or failed '
+                                                     '(Connection closed by peer [127.0.0.1]:44963); its error line '
+                                                     'says why')
+
+
+def test_a_timed_out_collective_names_the_flag_and_other_errors_are_not_collective_failures():
+    line = failures.collective_failure(RuntimeError('[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting '
+                                                    '10000ms for recv operation to complete'), 10)
+    assert line.startswith('a collective operation failed or timed out (') and line.endswith('--ddp-timeout 10 s')
+    assert failures.collective_failure(RuntimeError('DataLoader worker (pid 1) is killed by signal: Killed.'), 10) \
+        is None
+    assert failures.collective_failure(ValueError('bad box'), 10) is None
