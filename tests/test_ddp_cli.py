@@ -18,16 +18,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import describe, run_python
-from ddp_helpers import free_port, job_env, run, torchrun_cmd, train_args
+from testsupport.trees import describe, run_python
+from testsupport.jobs import free_port, job_env, run, torchrun_cmd, train_args
 from yolov9_ddp.comm import DEFAULT_TIMEOUT_S
 from yolov9_ddp.demo_data import DemoSpec
+from yolov9_ddp.tasks import TASKS
 
 pytestmark = pytest.mark.timeout(600)
 
 # Defaults of upstream flags that differ on purpose (documented in yolov9_ddp/cli.py): without --data the kit
-# trains on its generated demo dataset instead of COCO.
-DEFAULT_ALLOWLIST = {'data'}
+# trains on its generated demo dataset instead of COCO; --hyp and the segment scripts' --weights name files that
+# upstream does not ship (hyp.scratch-low.yaml, yolo-seg.pt).
+DEFAULT_ALLOWLIST = {'detect': {'data', 'hyp'}, 'detect-dual': {'data'}, 'detect-triple': {'data'},
+                     'segment': {'data', 'hyp', 'weights'}, 'segment-dual': {'data', 'hyp', 'weights'}}
 PROGRESS_BAR_MARKS = ('█', '%|', '\r')
 
 
@@ -38,7 +41,7 @@ import argparse, json, sys
 from pathlib import Path
 
 tree = Path.cwd().resolve()
-samples = json.loads(sys.argv[1])
+samples, module, task = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
 
 
 def norm(value):
@@ -58,7 +61,8 @@ def dump(parser):
              'action': type(a).__name__} for a in parser._actions]
 
 
-import train_dual  # noqa: E402  upstream's, from this (patched) tree
+import importlib  # noqa: E402
+upstream_script = importlib.import_module(module)  # upstream's, from this (patched) tree
 
 captured = []
 real_parse_args, real_parse_known_args = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
@@ -66,22 +70,25 @@ argparse.ArgumentParser.parse_args = lambda self, *a, **k: captured.append(self)
 argparse.ArgumentParser.parse_known_args = lambda self, *a, **k: (captured.append(self), (argparse.Namespace(), []))[1]
 sys.argv = ['x']
 try:
-    train_dual.parse_opt()
+    upstream_script.parse_opt()
 finally:
     argparse.ArgumentParser.parse_args = real_parse_args
     argparse.ArgumentParser.parse_known_args = real_parse_known_args
 upstream = captured[-1]
 
 from yolov9_ddp.cli import build_parser  # noqa: E402
-ours = build_parser(tree)
+from yolov9_ddp.tasks import TASKS  # noqa: E402
+ours = build_parser(tree, TASKS[task])
 
 parsed = [{'upstream': {k: norm(v) for k, v in vars(upstream.parse_args(s)).items()},
            'ours': {k: norm(v) for k, v in vars(ours.parse_args(s)).items()}} for s in samples]
-print(json.dumps({'upstream': dump(upstream), 'ours': dump(ours), 'parsed': parsed}))
+kit = [o for group in ours._action_groups if group.title == 'yolov9-ddp' for a in group._group_actions
+       for o in a.option_strings]
+print(json.dumps({'upstream': dump(upstream), 'ours': dump(ours), 'parsed': parsed, 'kit': kit}))
 '''
 
 # Command lines that set every upstream flag to something other than its default, and the other spellings.
-SAMPLES = [
+DETECT_SAMPLES = [
     ['--weights', 'w.pt', '--cfg', 'm.yaml', '--data', 'd.yaml', '--hyp', 'h.yaml', '--epochs', '3',
      '--batch-size', '8', '--img', '320', '--rect', '--resume', '--nosave', '--noval', '--noautoanchor', '--noplots',
      '--evolve', '--bucket', 'b', '--cache', '--image-weights', '--device', '0,1', '--multi-scale', '--single-cls',
@@ -93,13 +100,42 @@ SAMPLES = [
      '--cache', 'disk', '--upload_dataset', 'val', '--local-rank', '0', '--freeze', '10'],
     ['--data', 'd.yaml', '--imgsz', '512', '--batch-size', '-1'],
 ]
+# train_triple.py has no --flat-cos-lr and --fixed-lr; the segment scripts neither, nor --min-items and the logger
+# flags, but --mask-ratio and --no-overlap
+ONLY_SOME = {'--flat-cos-lr', '--fixed-lr', '--min-items', '--entity', '--upload_dataset', '--bbox_interval',
+             '--artifact_alias'}
+
+
+def samples_of(task) -> list:
+    """DETECT_SAMPLES without the flags the task's upstream script lacks (with their values), plus its own."""
+    lacks = set() if task.flat_and_fixed_lr else {'--flat-cos-lr', '--fixed-lr'}
+    if task.masks:
+        lacks = ONLY_SOME
+    samples = []
+    for sample in DETECT_SAMPLES:
+        kept, skipping = [], False
+        for token in sample:
+            if token.startswith('--'):
+                skipping = token in lacks
+            if not skipping:
+                kept.append(token)
+        samples.append(kept + (['--mask-ratio', '2', '--no-overlap'] if task.masks and sample is DETECT_SAMPLES[0]
+                               else []))
+    return samples
+
+
+@pytest.fixture(scope='module', params=list(TASKS))
+def task(request):
+    return TASKS[request.param]
 
 
 @pytest.fixture(scope='module')
-def parsers(patched_tree, tmp_path_factory):
-    from conftest import offline_environment
+def parsers(patched_tree, tmp_path_factory, task):
+    from testsupport.trees import offline_environment
     env = offline_environment(tmp_path_factory.mktemp('home'))
-    result = run_python(PARSERS, patched_tree, env, args=[json.dumps(SAMPLES)], timeout=120)
+    module = task.upstream.removesuffix('.py').replace('/', '.')
+    result = run_python(PARSERS, patched_tree, env, args=[json.dumps(samples_of(task)), module, task.name],
+                        timeout=120)
     assert result.returncode == 0, describe(result)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -108,29 +144,33 @@ def by_option(actions):
     return {option: action for action in actions for option in action['option_strings']}
 
 
-def test_every_upstream_flag_is_accepted_with_the_same_definition(parsers):
+def test_every_upstream_flag_is_accepted_with_the_same_definition(parsers, task):
     upstream, ours = parsers['upstream'], by_option(parsers['ours'])
-    assert len(upstream) > 40  # the parser object was captured, not an empty stand-in
+    assert len(upstream) > 35  # the parser object was captured, not an empty stand-in
     for action in upstream:
         for option in action['option_strings']:
-            assert option in ours, f'{option} of train_dual.py is missing'
+            assert option in ours, f'{option} of {task.upstream} is missing'
             mine = ours[option]
             for key in ('dest', 'type', 'nargs', 'const', 'choices', 'required', 'action'):
                 assert mine[key] == action[key], f'{option}: {key} is {mine[key]!r}, upstream {action[key]!r}'
-            if action['dest'] not in DEFAULT_ALLOWLIST:
+            if action['dest'] not in DEFAULT_ALLOWLIST[task.name]:
                 assert mine['default'] == action['default'], \
                     f'{option}: default {mine["default"]!r}, upstream {action["default"]!r}'
-    # the allowlisted difference is the documented one: no --data means the demo dataset
-    assert ours['--data']['default'] == 'None' and by_option(upstream)['--data']['default'] == 'ROOT/data/coco.yaml'
+    # the allowlisted differences are the documented ones: no --data means the demo dataset, the hyp file shipped
+    assert ours['--data']['default'] == 'None' and by_option(upstream)['--data']['default'].startswith('ROOT/data/')
+    assert ours['--hyp']['default'] == 'ROOT/data/hyps/hyp.scratch-high.yaml'
+    # and the kit accepts no upstream-looking flag its script lacks: the kit's own flags are the only extras
+    assert set(ours) - set(by_option(upstream)) == set(parsers['kit'])
 
 
-def test_every_upstream_flag_parses_to_the_same_value(parsers):
+def test_every_upstream_flag_parses_to_the_same_value(parsers, task):
     upstream_dests = {a['dest'] for a in parsers['upstream']} - {'help'}
     defaults = {a['dest']: a['default'] for a in parsers['upstream']}
     first = parsers['parsed'][0]['upstream']
     assert {d for d in upstream_dests if str(first[d]) != defaults[d]} == upstream_dests  # sample 1 sets them all
-    for sample, parsed in zip(SAMPLES, parsers['parsed']):
-        for dest in upstream_dests:
+    for number, (sample, parsed) in enumerate(zip(samples_of(task), parsers['parsed'])):
+        compared = upstream_dests if number == 0 else upstream_dests - DEFAULT_ALLOWLIST[task.name]  # when not given
+        for dest in compared:
             assert parsed['ours'][dest] == parsed['upstream'][dest], f'{sample}: {dest}'
 
 
@@ -144,7 +184,7 @@ def test_help_documents_the_kit_flags(patched_tree):
     entries = {}  # option -> its help entry (the option lines, not the usage summary)
     for entry in re.split(r'\n(?=  -)', text.split('\n\n', 1)[1]):
         entries[entry.split()[0].rstrip(',')] = ' '.join(entry.split())
-    for flag in ('--ddp-timeout', '--auto-resume', '--demo-dir'):
+    for flag in ('--ddp-timeout', '--auto-resume', '--demo-dir', '--levers'):
         assert flag in entries and len(entries[flag].split()) > 4, f'{flag} is not documented:\n{text}'
     assert f'(default: {DEFAULT_TIMEOUT_S} s' in entries['--ddp-timeout'], entries['--ddp-timeout']
 

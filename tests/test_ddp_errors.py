@@ -14,8 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_helpers import ERROR_LINE, free_port, job_env, torchrun_cmd, train_args
+from testsupport.faults import ERROR_LINE
+from testsupport.jobs import free_port, job_env, torchrun_cmd, train_args
 from yolov9_ddp import cli, comm
+from yolov9_ddp.tasks import TASKS
+
+DUAL = TASKS['detect-dual']
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -221,7 +225,7 @@ def test_cuda_device_without_cuda(patched_tree, base, tmp_path):
     args = base()
     args[args.index('--device') + 1] = '0'
     run = launch(patched_tree, 1, args, tmp_path)
-    assert_clean_failure(run, 1, '--device 0', 'no CUDA device')
+    assert_clean_failure(run, 1, '--device 0', 'cannot use CUDA here', 'use --device cpu')
 
 
 def test_labels_with_a_class_beyond_nc(patched_tree, base, wrong_class_data, tmp_path):
@@ -261,19 +265,19 @@ def options(tmp_path):
     (tmp_path / 'w.pt').write_bytes(b'')
 
     def make(*args):
-        return cli.parse_args(['--data', str(tmp_path / 'data.yaml'), *map(str, args)], tmp_path)
+        return cli.parse_args(['--data', str(tmp_path / 'data.yaml'), *map(str, args)], tmp_path, DUAL)
     return make
 
 
 def refused(opt, world) -> str:
     with pytest.raises(cli.UsageError) as e:
-        cli.check_options(opt, world)
+        cli.check_options(opt, world, DUAL)
     return str(e.value)
 
 
 @pytest.mark.parametrize('world', [1, 2, 8])
 def test_check_options_accepts_a_valid_command_line(options, world, tmp_path):
-    cli.check_options(options('--batch-size', 16, '--weights', tmp_path / 'w.pt'), world)
+    cli.check_options(options('--batch-size', 16, '--weights', tmp_path / 'w.pt'), world, DUAL)
 
 
 def test_check_options_evolve_at_any_world_size(options):
@@ -283,18 +287,18 @@ def test_check_options_evolve_at_any_world_size(options):
 
 
 def test_check_options_image_weights_only_on_one_process(options):
-    cli.check_options(options('--image-weights'), 1)
+    cli.check_options(options('--image-weights'), 1, DUAL)
     assert '--image-weights' in refused(options('--image-weights'), 2)
 
 
 def test_check_options_autobatch_only_on_one_process(options):
-    cli.check_options(options('--batch-size', -1), 1)
+    cli.check_options(options('--batch-size', -1), 1, DUAL)
     assert 'AutoBatch' in refused(options('--batch-size', -1), 2)
 
 
 def test_check_options_batch_divisible_by_world_size(options):
-    cli.check_options(options('--batch-size', 5), 1)
-    cli.check_options(options('--batch-size', 6), 3)
+    cli.check_options(options('--batch-size', 5), 1, DUAL)
+    cli.check_options(options('--batch-size', 6), 3, DUAL)
     message = refused(options('--batch-size', 5), 2)
     assert '--batch-size 5' in message and '2' in message
     assert '--batch-size 8' in refused(options('--batch-size', 8), 3)
@@ -306,7 +310,7 @@ def test_check_options_rejects_batch_sizes_that_are_none(options, batch):
 
 
 def test_check_options_at_least_one_epoch(options):
-    cli.check_options(options('--epochs', 1), 1)
+    cli.check_options(options('--epochs', 1), 1, DUAL)
     assert '--epochs 0' in refused(options('--epochs', 0), 1)
 
 
@@ -316,7 +320,7 @@ def test_check_options_positive_ddp_timeout(options, timeout):
 
 
 def test_check_options_resume_or_auto_resume_not_both(options):
-    cli.check_options(options('--auto-resume'), 2)
+    cli.check_options(options('--auto-resume'), 2, DUAL)
     assert '--auto-resume' in refused(options('--resume', '--auto-resume'), 2)
 
 
@@ -325,15 +329,15 @@ def test_check_options_named_files_must_exist(options, tmp_path, flag):
     missing = tmp_path / f'missing-{flag}'
     message = refused(options(f'--{flag}', missing), 1)
     assert f'--{flag} {missing}' in message and 'no such file' in message
-    cli.check_options(options(f'--{flag}', missing, '--resume'), 1)  # on resume the run's own options count
-    cli.check_options(options(f'--{flag}', f'https://example.com/{flag}.yaml'), 1)  # downloaded later
+    cli.check_options(options(f'--{flag}', missing, '--resume'), 1, DUAL)  # on resume the run's own options count
+    cli.check_options(options(f'--{flag}', f'https://example.com/{flag}.yaml'), 1, DUAL)  # downloaded later
 
 
 def test_check_options_without_data_uses_the_demo_dataset(tmp_path):
     (tmp_path / 'data' / 'hyps').mkdir(parents=True)
     (tmp_path / 'data' / 'hyps' / 'hyp.scratch-high.yaml').write_text('lr0: 0.01\n')
-    opt = cli.parse_args([], tmp_path)
-    cli.check_options(opt, 2)
+    opt = cli.parse_args([], tmp_path, DUAL)
+    cli.check_options(opt, 2, DUAL)
     assert cli.uses_demo(opt)
 
 

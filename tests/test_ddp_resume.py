@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_helpers import job_env, results_epochs, run, torchrun_cmd, train_args
+from testsupport.faults import results_epochs
+from testsupport.jobs import job_env, run, torchrun_cmd, train_args
 from yolov9_ddp import checkpoint
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 

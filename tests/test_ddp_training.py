@@ -1,16 +1,13 @@
 """The DDP claims of ddp_train_dual.py, each shown by a real multi-process job (torchrun, gloo on CPU):
 sampler coverage, DDP gradient math, EMA synchronisation and distributed validation."""
 import math
-import subprocess
-import sys
 from collections import Counter
 
-import cv2
 import numpy as np
 import pytest
 import torch
 
-from ddp_helpers import run_probe, train_args
+from testsupport.jobs import run_probe, save_model_state, train_args
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 from yolov9_ddp.samplers import ShardBatchSampler, padding_per_epoch, training_sampler
 
@@ -90,27 +87,12 @@ def test_label_cache_is_built_by_rank_0_only(sampler_runs):
 
 # -- DDP math --------------------------------------------------------------------------------------------------------
 
-def fixed_inputs(tree, dataset, weights, folder, duplicate_halves):
-    """Initial weights (trained ones: the loss then has positives to normalise by, see below) and one global
-    batch of 8 images with their labels, saved for every process."""
+def fixed_inputs(tree, weights, folder, duplicate_halves):
+    """Initial weights (trained ones: the loss then has positives to normalise by, see below), saved for every
+    process, and one global batch of 8 images of the validation set (testsupport/probes/probe.py builds it)."""
     folder.mkdir(parents=True, exist_ok=True)
-    init = folder / 'init.pt'
-    code = ('import sys, torch; sys.path.insert(0, "."); '
-            f'm = torch.load(r"{weights}", weights_only=False)["model"].float(); '
-            f'torch.save(m.state_dict(), r"{init}")')
-    subprocess.run([sys.executable, '-c', code], cwd=tree, check=True, capture_output=True)
-    images_dir = dataset.parent / 'images' / 'train'
-    files = sorted(images_dir.glob('*.jpg'))[:4 if duplicate_halves else 8]
-    if duplicate_halves:
-        files = files + files
-    images, targets = [], []
-    for index, f in enumerate(files):
-        images.append(torch.from_numpy(cv2.imread(str(f))[:, :, ::-1].copy()).permute(2, 0, 1))
-        label = np.loadtxt(dataset.parent / 'labels' / 'train' / f'{f.stem}.txt', ndmin=2)
-        targets.append(torch.cat([torch.full((len(label), 1), float(index)), torch.from_numpy(label).float()], 1))
-    batch = folder / 'batch.pt'
-    torch.save({'images': torch.stack(images), 'targets': torch.cat(targets)}, batch)
-    return {'init': str(init), 'batch': str(batch)}
+    init = save_model_state(tree, weights, folder / 'init.pt')
+    return {'init': str(init), 'indices': [0, 1, 2, 3] * 2 if duplicate_halves else list(range(8))}
 
 
 def step(tree, dataset, out, nproc, micro, config, name):
@@ -133,7 +115,7 @@ def test_one_step_1_process_batch_b_equals_2_processes_batch_b_over_2(patched_tr
     # Upstream's loss divides by the sum of target scores of the batch a process sees (at least 1), so 1 x B and
     # 2 x B/2 are the same objective only when both halves carry the same targets, and the sum exceeds 1 (hence
     # trained weights): the global batch is two copies of 4 images.
-    config = fixed_inputs(patched_tree, dataset, trained_weights, tmp_path / 'in', duplicate_halves=True)
+    config = fixed_inputs(patched_tree, trained_weights, tmp_path / 'in', duplicate_halves=True)
     single = step(patched_tree, dataset, tmp_path, 1, 1, config, 'single')['ranks'][0]['params']
     ddp = step(patched_tree, dataset, tmp_path, 2, 2, config, 'ddp')
     assert_same_params(ddp['ranks'][0]['params'], ddp['ranks'][1]['params'], atol=0)
@@ -146,7 +128,7 @@ def test_2_processes_equal_1_process_accumulating_the_same_micro_batches(patched
                                                                         tmp_path):
     # 8 different images: the gradient all-reduce and the loss scaling by world size must be right for this
     # to hold (without the all-reduce, each rank would step on its own half and the ranks would disagree).
-    config = fixed_inputs(patched_tree, dataset, trained_weights, tmp_path / 'in', duplicate_halves=False)
+    config = fixed_inputs(patched_tree, trained_weights, tmp_path / 'in', duplicate_halves=False)
     single = step(patched_tree, dataset, tmp_path, 1, 2, config, 'single')['ranks'][0]['params']
     ddp = step(patched_tree, dataset, tmp_path, 2, 2, config, 'ddp')
     assert_same_params(ddp['ranks'][0]['params'], ddp['ranks'][1]['params'], atol=0)
@@ -154,7 +136,7 @@ def test_2_processes_equal_1_process_accumulating_the_same_micro_batches(patched
 
 
 def test_accumulation_micro_steps_skip_the_gradient_all_reduce(patched_tree, dataset, trained_weights, tmp_path):
-    config = fixed_inputs(patched_tree, dataset, trained_weights, tmp_path / 'in', duplicate_halves=False)
+    config = fixed_inputs(patched_tree, trained_weights, tmp_path / 'in', duplicate_halves=False)
     single = step(patched_tree, dataset, tmp_path, 1, 4, config, 'single')['ranks'][0]['params']
     ddp = step(patched_tree, dataset, tmp_path, 2, 4, config, 'ddp')
     first = [rank['grads_after_first_micro_step'] for rank in ddp['ranks']]

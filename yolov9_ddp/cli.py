@@ -1,7 +1,11 @@
-"""Command line of ddp_train_dual.py: every flag of upstream's train_dual.py, same meaning, plus the kit's own.
+"""Command line of the kit's entry points: every flag of the upstream script each replaces (train.py,
+train_dual.py, train_triple.py, segment/train.py, segment/train_dual.py), same meaning, plus the kit's own.
 
-Two defaults differ on purpose: without --data the run trains on the kit's generated demo dataset
-(and, without --cfg or --weights, the kit's tiny model), so the command works on a fresh machine.
+Defaults that differ on purpose: without --data the run trains on the kit's generated demo dataset (and, without
+--cfg or --weights, the kit's tiny model of the task), so the command works on a fresh machine; --hyp defaults to
+data/hyps/hyp.scratch-high.yaml, the one file of hyperparameters upstream ships (train.py and the segment scripts
+name hyp.scratch-low.yaml, which it does not); the segment scripts' --weights yolo-seg.pt (not shipped either)
+becomes '' (train from scratch, as the other scripts).
 """
 import argparse
 from pathlib import Path
@@ -9,22 +13,30 @@ from pathlib import Path
 from yolov9_ddp.comm import DEFAULT_TIMEOUT_S, Unanimous
 from yolov9_ddp.levers import levers_for
 
-DEMO_CFG = Path(__file__).resolve().parent / 'models' / 'tiny-dual.yaml'
+MODELS = Path(__file__).resolve().parent / 'models'  # the kit's tiny model configs, one per task
 
 
 class UsageError(Unanimous):
     """A flag combination that cannot work; every rank detects it the same way before any collective."""
 
 
-def build_parser(root: Path) -> argparse.ArgumentParser:
+def build_parser(root: Path, task) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description='Train a YOLOv9 dual-head model on one or many processes (torchrun), with the same flags as '
-                    'train_dual.py.',
-        epilog='Launch: torchrun --nproc_per_node N ddp_train_dual.py ARGS (one process per GPU; --device cpu runs '
-               'N CPU processes with gloo). Without torchrun it trains in one process.')
-    # -- the flags of upstream's train_dual.py, same spelling, type, default and meaning --------------------------
+        description=f'Train YOLOv9 models ending in {" or ".join(task.heads)} on one or many processes (torchrun), '
+                    f'with the same flags as {task.upstream}.',
+        epilog=f'Launch: torchrun --nproc_per_node N {task.script} ARGS (one process per GPU; --device cpu runs '
+               f'N CPU processes with gloo). Without torchrun it trains in one process.')
+    add_upstream_flags(p, root, task)
+    add_kit_flags(p)
+    return p
+
+
+def add_upstream_flags(p, root: Path, task):
+    """The flags of the upstream script the task replaces: same spelling, type, default and meaning (tested against
+    upstream's parsers), except the defaults that name files upstream does not ship (see the module doc)."""
+    masks = task.masks
     p.add_argument('--weights', type=str, default='', help='initial weights path')
-    p.add_argument('--cfg', type=str, default='yolo.yaml',
+    p.add_argument('--cfg', type=str, default='' if masks else 'yolo.yaml',
                    help="model.yaml path (with no --data, --cfg and --weights: the kit's tiny demo model)")
     p.add_argument('--data', type=str, default=None,
                    help='dataset.yaml path (default: a small demo dataset the kit generates, see --demo-dir)')
@@ -36,10 +48,10 @@ def build_parser(root: Path) -> argparse.ArgumentParser:
     p.add_argument('--resume', nargs='?', const=True, default=False, help='resume most recent training')
     p.add_argument('--nosave', action='store_true', help='only save final checkpoint')
     p.add_argument('--noval', action='store_true', help='only validate final epoch')
-    p.add_argument('--noautoanchor', action='store_true', help='disable AutoAnchor (a no-op, as in train_dual.py)')
+    p.add_argument('--noautoanchor', action='store_true', help='disable AutoAnchor (a no-op, as upstream)')
     p.add_argument('--noplots', action='store_true', help='save no plot files')
     p.add_argument('--evolve', type=int, nargs='?', const=300,
-                   help='evolve hyperparameters: not supported here, use train_dual.py')
+                   help=f'evolve hyperparameters: not supported here, use {task.upstream}')
     p.add_argument('--bucket', type=str, default='', help='gsutil bucket (only used by --evolve)')
     p.add_argument('--cache', type=str, nargs='?', const='ram', help='image --cache ram/disk')
     p.add_argument('--image-weights', action='store_true',
@@ -50,13 +62,15 @@ def build_parser(root: Path) -> argparse.ArgumentParser:
     p.add_argument('--optimizer', type=str, choices=['SGD', 'Adam', 'AdamW', 'LION'], default='SGD', help='optimizer')
     p.add_argument('--sync-bn', action='store_true', help='use SyncBatchNorm, only available in DDP mode on CUDA')
     p.add_argument('--workers', type=int, default=8, help='max dataloader workers (per RANK in DDP mode)')
-    p.add_argument('--project', default=root / 'runs/train', help='save to project/name')
+    p.add_argument('--project', default=root / ('runs/train-seg' if masks else 'runs/train'),
+                   help='save to project/name')
     p.add_argument('--name', default='exp', help='save to project/name')
     p.add_argument('--exist-ok', action='store_true', help='existing project/name ok, do not increment')
     p.add_argument('--quad', action='store_true', help='quad dataloader')
     p.add_argument('--cos-lr', action='store_true', help='cosine LR scheduler')
-    p.add_argument('--flat-cos-lr', action='store_true', help='flat cosine LR scheduler')
-    p.add_argument('--fixed-lr', action='store_true', help='fixed LR scheduler')
+    if task.flat_and_fixed_lr:
+        p.add_argument('--flat-cos-lr', action='store_true', help='flat cosine LR scheduler')
+        p.add_argument('--fixed-lr', action='store_true', help='fixed LR scheduler')
     p.add_argument('--label-smoothing', type=float, default=0.0, help='Label smoothing epsilon')
     p.add_argument('--patience', type=int, default=100, help='EarlyStopping patience (epochs without improvement)')
     p.add_argument('--freeze', nargs='+', type=int, default=[0], help='Freeze layers: backbone=10, first3=0 1 2')
@@ -64,13 +78,21 @@ def build_parser(root: Path) -> argparse.ArgumentParser:
     p.add_argument('--seed', type=int, default=0, help='Global training seed')
     p.add_argument('--local_rank', '--local-rank', type=int, default=-1,
                    help='set by python -m torch.distributed.launch; torchrun sets LOCAL_RANK instead')
-    p.add_argument('--min-items', type=int, default=0, help='Experimental')
+    if not masks:
+        p.add_argument('--min-items', type=int, default=0, help='Experimental')
     p.add_argument('--close-mosaic', type=int, default=0, help='Experimental')
-    p.add_argument('--entity', default=None, help='Entity')
-    p.add_argument('--upload_dataset', nargs='?', const=True, default=False, help='Upload data, "val" option')
-    p.add_argument('--bbox_interval', type=int, default=-1, help='Set bounding-box image logging interval')
-    p.add_argument('--artifact_alias', type=str, default='latest', help='Version of dataset artifact to use')
-    # -- the kit's own flags ---------------------------------------------------------------------------------------
+    if masks:
+        p.add_argument('--mask-ratio', type=int, default=4, help='Downsample the truth masks to saving memory')
+        p.add_argument('--no-overlap', action='store_true', help='Overlap masks train faster at slightly less mAP')
+    else:
+        p.add_argument('--entity', default=None, help='Entity')
+        p.add_argument('--upload_dataset', nargs='?', const=True, default=False, help='Upload data, "val" option')
+        p.add_argument('--bbox_interval', type=int, default=-1, help='Set bounding-box image logging interval')
+        p.add_argument('--artifact_alias', type=str, default='latest', help='Version of dataset artifact to use')
+
+
+def add_kit_flags(p):
+    """The kit's own flags, the same for every entry point."""
     kit = p.add_argument_group('yolov9-ddp')
     kit.add_argument('--ddp-timeout', type=float, default=DEFAULT_TIMEOUT_S, metavar='SECONDS',
                      help='how long a rank waits in a collective before the job fails (default: %(default)s s = 3 h; '
@@ -81,18 +103,19 @@ def build_parser(root: Path) -> argparse.ArgumentParser:
     kit.add_argument('--save-on-signal', action='store_true',
                      help='on SIGTERM/SIGINT, stop all ranks after the same step and write a resumable last.pt '
                           '(without it the run stops cleanly and resumes from its last complete epoch)')
-    kit.add_argument('--channels-last', action='store_true',
-                     help='train in channels-last (NHWC) memory format (measured in bench/RESULTS.md)')
-    kit.add_argument('--compile', action='store_true',
-                     help='torch.compile the model (slow first steps; measured in bench/RESULTS.md)')
+    kit.add_argument('--levers', metavar='NAME=VALUE,...', default=None,
+                     help='performance levers of yolov9_ddp/levers.py, e.g. cudnn_benchmark=0,channels_last=1 '
+                          '(recorded in opt.yaml: a resume keeps the run\'s levers unless given again)')
+    kit.add_argument('--channels-last', action='store_true', help='short for --levers channels_last=1')
+    kit.add_argument('--compile', action='store_true', help='refused: torch.compile does not pay (bench/RESULTS.md)')
     kit.add_argument('--demo-dir', type=Path, default=None,
                      help='where the demo dataset is generated when --data is not given '
-                          '(default: PROJECT/../demo-data)')
+                          '(default: PROJECT/../demo-data, demo-data-seg for segmentation)')
     return p
 
 
-def parse_args(argv, root: Path):
-    opt = build_parser(root).parse_args(argv)
+def parse_args(argv, root: Path, task):
+    opt = build_parser(root, task).parse_args(argv)
     opt.hyp, opt.project = str(opt.hyp), str(opt.project)
     return opt
 
@@ -101,12 +124,19 @@ def uses_demo(opt) -> bool:
     return opt.data is None
 
 
-def check_options(opt, world_size: int):
+def names_no_model(opt) -> bool:
+    """Neither --cfg nor --weights given (the upstream scripts' default --cfg is 'yolo.yaml' or '')."""
+    return opt.cfg in ('', 'yolo.yaml') and not opt.weights
+
+
+def check_options(opt, world_size: int, task):
     """Reject what cannot work, identically on every rank (so all stop together, before any collective)."""
     ddp = world_size > 1
     if opt.evolve:
-        raise UsageError('--evolve is not supported by ddp_train_dual.py; run hyperparameter evolution with '
-                         'train_dual.py (patched by the kit, it works on one process)')
+        raise UsageError(f'--evolve is not supported by {task.script}; run hyperparameter evolution with '
+                         f'{task.upstream} (patched by the kit, it works on one process)')
+    if opt.quad and task.masks:
+        raise UsageError(f'--quad does not work with masks ({task.upstream} has no four-image collation of masks)')
     if ddp and opt.image_weights:
         raise UsageError('--image-weights is not compatible with DDP (each rank would draw other images); '
                          'train on one process or drop the flag')

@@ -6,12 +6,14 @@ first (it writes the cache once for a shared folder), then the first process of 
 """
 import os
 import signal
+from functools import partial
 
 import torch
 from torch.utils.data import DataLoader
 
-from utils.dataloaders import LoadImagesAndLabels, seed_worker
-from yolov9_ddp import comm, shutdown
+from utils.dataloaders import seed_worker
+from utils.general import LOGGER, NUM_THREADS
+from yolov9_ddp import comm, failures, ramcache, shutdown
 from yolov9_ddp.samplers import ShardBatchSampler, training_sampler
 
 WORKER_SEED_BASE = 6148914691236517205  # upstream's generator seed base; + rank, so ranks augment differently
@@ -34,16 +36,33 @@ def loader_workers(requested: int, batch_size: int) -> int:
     return min(requested, max(1, per_process), batch_size if batch_size > 1 else 0)
 
 
-def build_dataset(path, imgsz, batch_size, stride, opt, hyp, augment, rect, cache, pad, prefix):
+def build_dataset(task, path, imgsz, batch_size, stride, opt, hyp, augment, rect, cache, pad, prefix):
+    """The task's dataset (upstream's LoadImagesAndLabels, or its subclass with masks for segmentation)."""
     def build():
         try:
-            return LoadImagesAndLabels(path, imgsz, batch_size, augment=augment, hyp=hyp, rect=rect,
-                                       image_weights=opt.image_weights and augment, cache_images=cache,
-                                       single_cls=opt.single_cls, stride=int(stride), pad=pad,
-                                       min_items=opt.min_items, prefix=prefix)
+            return task.dataset_class()(path, imgsz, batch_size, augment=augment, hyp=hyp, rect=rect,
+                                        image_weights=opt.image_weights and augment, cache_images=disk_cache(cache),
+                                        single_cls=opt.single_cls, stride=int(stride), pad=pad,
+                                        min_items=getattr(opt, 'min_items', 0), prefix=prefix,
+                                        **task.dataset_options(opt))
         except Exception as e:  # upstream raises bare Exception/AssertionError for missing images or labels
             raise DataError(str(e).replace(prefix, '').split('\nSee ')[0]) from e
-    return comm.run_staged(build)
+    return with_shared_ram_cache(comm.run_staged(build), cache, prefix)
+
+
+def disk_cache(cache):
+    """What upstream's dataset caches by itself: --cache disk (.npy files beside the images) and nothing else."""
+    return 'disk' if cache == 'disk' else None
+
+
+def with_shared_ram_cache(dataset, cache, prefix):
+    """--cache ram (upstream caches in RAM for any value but 'disk'): one decoded copy per node, not per rank."""
+    if cache and cache != 'disk':
+        try:
+            ramcache.share_images(dataset, prefix, LOGGER.info, NUM_THREADS)
+        except ramcache.CacheError as e:
+            raise DataError(str(e).replace(prefix, '')) from e
+    return dataset
 
 
 def set_epoch(loader, epoch):
@@ -52,11 +71,13 @@ def set_epoch(loader, epoch):
     sampler.set_epoch(epoch)
 
 
-def init_worker(worker_id):
+def init_worker(worker_id, trainer_pid):
     """Loader workers leave SIGTERM/SIGINT to their training process, which stops them when it stops
-    (torchrun signals the whole process group; a worker dying first would crash its trainer mid-step)."""
+    (torchrun signals the whole process group; a worker dying first would crash its trainer mid-step).
+    So that none can outlive its trainer, the kernel kills it when the trainer dies (yolov9_ddp.failures)."""
     for signum in shutdown.HANDLED:
         signal.signal(signum, signal.SIG_IGN)
+    failures.die_with_parent(trainer_pid)
     seed_worker(worker_id)
 
 
@@ -69,16 +90,16 @@ def make_loader(dataset, batch_size, workers, levers, cuda, collate_fn, sampler=
     # persistent workers keep their state across epochs (what upstream's InfiniteDataLoader is for) and,
     # unlike it, see set_epoch() before the next epoch's indices are drawn
     return DataLoader(dataset, num_workers=workers, pin_memory=cuda and levers.pin_memory, collate_fn=collate_fn,
-                      worker_init_fn=init_worker, generator=generator,
+                      worker_init_fn=partial(init_worker, trainer_pid=os.getpid()), generator=generator,
                       persistent_workers=workers > 0 and levers.persistent_workers,
                       prefetch_factor=levers.prefetch_factor if workers > 0 else None, **batching)
 
 
-def train_loader(path, imgsz, batch_per_rank, stride, opt, hyp, levers, cuda, prefix):
-    dataset = build_dataset(path, imgsz, batch_per_rank, stride, opt, hyp, augment=True, rect=opt.rect,
+def train_loader(task, path, imgsz, batch_per_rank, stride, opt, hyp, levers, cuda, prefix):
+    dataset = build_dataset(task, path, imgsz, batch_per_rank, stride, opt, hyp, augment=True, rect=opt.rect,
                             cache=None if opt.cache == 'val' else opt.cache, pad=0.0, prefix=prefix)
     rank, world = comm.get_rank(), comm.get_world_size()
-    collate = LoadImagesAndLabels.collate_fn4 if opt.quad else LoadImagesAndLabels.collate_fn
+    collate = task.collate(opt.quad)
     workers = loader_workers(opt.workers, batch_per_rank)
     if opt.rect:  # rectangular batches keep their shapes only if no rank mixes images of two batches
         shards = ShardBatchSampler(len(dataset), batch_per_rank, rank, world)
@@ -87,9 +108,9 @@ def train_loader(path, imgsz, batch_per_rank, stride, opt, hyp, levers, cuda, pr
     return make_loader(dataset, batch_per_rank, workers, levers, cuda, collate, sampler=sampler), dataset
 
 
-def val_loader(path, imgsz, batch_per_rank, stride, opt, levers, cuda, prefix):
-    dataset = build_dataset(path, imgsz, batch_per_rank, stride, opt, hyp=None, augment=False, rect=True,
+def val_loader(task, path, imgsz, batch_per_rank, stride, opt, levers, cuda, prefix):
+    dataset = build_dataset(task, path, imgsz, batch_per_rank, stride, opt, hyp=None, augment=False, rect=True,
                             cache=None if opt.noval else opt.cache, pad=0.5, prefix=prefix)
     shards = ShardBatchSampler(len(dataset), batch_per_rank, comm.get_rank(), comm.get_world_size())
     workers = loader_workers(opt.workers * 2, batch_per_rank)
-    return make_loader(dataset, None, workers, levers, cuda, LoadImagesAndLabels.collate_fn, batch_sampler=shards)
+    return make_loader(dataset, None, workers, levers, cuda, task.collate(quad=False), batch_sampler=shards)

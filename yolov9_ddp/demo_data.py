@@ -1,8 +1,17 @@
-"""A small generated detection dataset: filled shapes on a noisy background, in YOLO format.
+"""A small generated dataset: filled shapes on a noisy background, in YOLO format.
 
 Used as the embedded default of ddp_train_dual.py (no --data), by the tests and by the benchmarks.
 Every image is a pure function of (seed, split, index), so two runs with the same arguments
 produce the same bytes, and a dataset folder is only ever replaced whole (built beside, renamed).
+
+DemoSpec.labels chooses what the labels are, for each of upstream's tasks:
+    boxes     labels/SPLIT/NAME.txt, one "class x y w h" row per shape (detection: train.py, train_dual.py, ...)
+    polygons  labels/SPLIT/NAME.txt, one "class x1 y1 x2 y2 ..." row per shape, the outline of the shape drawn
+              (instance segmentation: segment/train.py, segment/train_dual.py)
+    panoptic  the polygon labels, and the same polygons under stuff/SPLIT/NAME.txt as semantic labels
+              (panoptic/train.py)
+    classes   one shape per image, filed as SPLIT/CLASS/NAME.jpg (classification: classify/train.py --data ROOT)
+All coordinates are normalised to 0-1. The images are the same for boxes, polygons and panoptic.
 """
 import argparse
 import json
@@ -18,6 +27,7 @@ import numpy as np
 
 CLASS_NAMES = ('rectangle', 'ellipse', 'triangle')
 SPEC_FILE = 'demo-spec.json'
+LABEL_KINDS = ('boxes', 'polygons', 'panoptic', 'classes')
 
 
 @dataclass(frozen=True)
@@ -27,15 +37,21 @@ class DemoSpec:
     imgsz: int = 128
     seed: int = 0
     max_objects: int = 4
+    labels: str = 'boxes'  # one of LABEL_KINDS
+
+    def __post_init__(self):
+        if self.labels not in LABEL_KINDS:
+            raise ValueError(f'labels={self.labels!r}: expected one of {", ".join(LABEL_KINDS)}')
 
 
 def draw_image(spec: DemoSpec, split: str, index: int):
-    """One image (HxWx3 uint8) and its labels (rows of class, x, y, w, h normalised)."""
+    """One image (HxWx3 uint8) and its shapes: (class, box (x, y, w, h), outline (N x 2 points)), in pixels."""
     rng = np.random.default_rng([spec.seed, 0 if split == 'train' else 1, index])
     size = spec.imgsz
     image = rng.integers(0, 60, (size, size, 3), dtype=np.uint8) + np.uint8(rng.integers(40, 140))
-    labels = []
-    for _ in range(int(rng.integers(1, spec.max_objects + 1))):
+    shapes = []
+    count = int(rng.integers(1, spec.max_objects + 1))
+    for _ in range(1 if spec.labels == 'classes' else count):
         cls = int(rng.integers(len(CLASS_NAMES)))
         w, h = rng.uniform(0.15, 0.45, 2) * size
         cx, cy = rng.uniform(w / 2, size - w / 2), rng.uniform(h / 2, size - h / 2)
@@ -43,25 +59,46 @@ def draw_image(spec: DemoSpec, split: str, index: int):
         x0, y0, x1, y1 = int(cx - w / 2), int(cy - h / 2), int(cx + w / 2), int(cy + h / 2)
         if cls == 0:
             cv2.rectangle(image, (x0, y0), (x1, y1), color, thickness=-1)
+            outline = np.array([[x0, y0], [x1, y0], [x1, y1], [x0, y1]])
         elif cls == 1:
-            cv2.ellipse(image, (int(cx), int(cy)), (int(w / 2), int(h / 2)), 0, 0, 360, color, thickness=-1)
+            center, axes = (int(cx), int(cy)), (int(w / 2), int(h / 2))
+            cv2.ellipse(image, center, axes, 0, 0, 360, color, thickness=-1)
+            outline = cv2.ellipse2Poly(center, axes, 0, 0, 360, 30)[:-1]  # the last point repeats the first
         else:
-            points = np.array([[int(cx), y0], [x0, y1], [x1, y1]], dtype=np.int32)
-            cv2.fillPoly(image, [points], color)
-        labels.append((cls, (x0 + x1) / 2 / size, (y0 + y1) / 2 / size, (x1 - x0) / size, (y1 - y0) / size))
-    return image, labels
+            outline = np.array([[int(cx), y0], [x0, y1], [x1, y1]], dtype=np.int32)
+            cv2.fillPoly(image, [outline], color)
+        shapes.append((cls, ((x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0), outline))
+    return image, shapes
+
+
+def label_text(shapes, kind: str, size: int) -> str:
+    """The YOLO label file of an image's shapes: boxes, or polygons for every other kind."""
+    if kind == 'boxes':
+        return ''.join(f'{c} ' + ' '.join(f'{v / size:.6f}' for v in box) + '\n' for c, box, _ in shapes)
+    return ''.join(f'{c} ' + ' '.join(f'{v / size:.6f}' for v in outline.flatten()) + '\n' for c, _, outline in shapes)
 
 
 def _write_item(root: Path, spec: DemoSpec, split: str, index: int):
-    image, rows = draw_image(spec, split, index)
-    cv2.imwrite(str(root / 'images' / split / f'{split}_{index:06d}.jpg'), image)
-    (root / 'labels' / split / f'{split}_{index:06d}.txt').write_text(''.join(
-        f'{c} {x:.6f} {y:.6f} {w:.6f} {h:.6f}\n' for c, x, y, w, h in rows))
+    image, shapes = draw_image(spec, split, index)
+    name = f'{split}_{index:06d}'
+    if spec.labels == 'classes':
+        cv2.imwrite(str(root / split / CLASS_NAMES[shapes[0][0]] / f'{name}.jpg'), image)
+        return
+    cv2.imwrite(str(root / 'images' / split / f'{name}.jpg'), image)
+    text = label_text(shapes, spec.labels, spec.imgsz)
+    for folder in ('labels', 'stuff') if spec.labels == 'panoptic' else ('labels',):
+        (root / folder / split / f'{name}.txt').write_text(text)
+
+
+def _folders(spec: DemoSpec, split: str) -> list:
+    if spec.labels == 'classes':
+        return [Path(split, name) for name in CLASS_NAMES]
+    return [Path(folder, split) for folder in ('images', 'labels', 'stuff')[:3 if spec.labels == 'panoptic' else 2]]
 
 
 def _write_split(root: Path, spec: DemoSpec, split: str, count: int, processes: int):
-    (root / 'images' / split).mkdir(parents=True)
-    (root / 'labels' / split).mkdir(parents=True)
+    for folder in _folders(spec, split):
+        (root / folder).mkdir(parents=True)
     jobs = [(root, spec, split, index) for index in range(count)]
     if processes > 1 and count > 256:  # every item is independent of the others (its own seeded generator)
         with multiprocessing.get_context('spawn').Pool(processes) as pool:
@@ -105,7 +142,10 @@ def main(argv=None):
     parser.add_argument('root', type=Path, help='folder to create (data.yaml goes inside)')
     parser.add_argument('--processes', type=int, default=os.cpu_count(), help='image writers in parallel')
     for field, default in asdict(DemoSpec()).items():
-        parser.add_argument(f'--{field.replace("_", "-")}', type=int, default=default)
+        if field == 'labels':
+            parser.add_argument('--labels', choices=LABEL_KINDS, default=default)
+        else:
+            parser.add_argument(f'--{field.replace("_", "-")}', type=int, default=default)
     args = parser.parse_args(argv)
     spec = DemoSpec(**{k: v for k, v in vars(args).items() if k not in ('root', 'processes')})
     print(ensure_demo_dataset(args.root, spec, processes=args.processes))

@@ -1,0 +1,19 @@
+#!/usr/bin/env python3
+"""Distributed training of YOLOv9 triple-head detection models (TripleDDetect): a drop-in for train_triple.py.
+
+    torchrun --nproc_per_node N ddp_train_triple.py ARGS   N GPUs (NCCL), or N CPU processes with --device cpu (gloo)
+    python ddp_train_triple.py ARGS                        one process, as train_triple.py
+
+ARGS are train_triple.py's flags (see --help). Installed into a YOLOv9 clone by apply_patches.py. The training
+loop (yolov9_ddp.trainer) is shared by every entry point; yolov9_ddp.tasks says what differs between them.
+"""
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent  # the YOLOv9 clone: upstream's modules and the kit's yolov9_ddp/
+sys.path.insert(0, str(ROOT))
+
+from yolov9_ddp.entry import main  # noqa: E402
+
+if __name__ == '__main__':
+    sys.exit(main('detect-triple', root=ROOT))

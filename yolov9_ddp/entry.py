@@ -1,0 +1,85 @@
+"""What every kit entry point runs: parse the flags of the upstream script it replaces, join the process group,
+train the task, and end every way out with one line and an exit status (yolov9_ddp.failures).
+
+    sys.exit(main('detect-dual', root=ROOT))     in ddp_train_dual.py; the tasks are in yolov9_ddp.tasks
+"""
+import os
+import sys
+import traceback
+
+from pathlib import Path
+
+if int(os.environ.get('RANK', 0)) != 0:
+    os.environ.setdefault('TQDM_DISABLE', '1')  # progress bars on rank 0 only; read when tqdm is first imported
+
+from yolov9_ddp.environment import exit_if_unsupported  # noqa: E402
+
+exit_if_unsupported(Path(sys.argv[0]).name)  # a too-old torch or no OpenCV: one line, not upstream's traceback
+
+from yolov9_ddp import checkpoint, cli, comm, data, failures, shutdown, trainer  # noqa: E402
+from yolov9_ddp.tasks import TASKS  # noqa: E402
+
+EXIT_USAGE, EXIT_FAILED = 2, 1
+KIT_ERRORS = (cli.UsageError, comm.LaunchError, checkpoint.CheckpointError, comm.PeerFailed, data.DataError)
+
+
+def report(script: str, error: BaseException):
+    """One line per failure: from the rank that saw it (rank 0 for errors every rank sees the same way). Every rank
+    records its own line for torchrun's summary."""
+    rank = comm.launched_rank()
+    where = f' [rank {rank}]' if comm.launched_world_size() > 1 else ''
+    failures.record_for_torchrun(f'{script}{where}: {error}')
+    if isinstance(error, comm.PeerFailed) or (isinstance(error, comm.Unanimous) and rank != 0) or \
+            (isinstance(error, comm.LaunchError) and comm.get_local_rank() != 0):  # a node's processes see it alike
+        return
+    print(f'{script}: error{where}: {error}', file=sys.stderr, flush=True)
+
+
+def fail(script: str, error: Exception) -> int:
+    """This rank alone failed (a bug, a loader worker killed, out of memory): its traceback where the cause is not
+    a known one, then the one line; the loader workers end now and the process exits, so that torchrun restarts
+    the job or stops the other ranks instead of leaving them in a collective."""
+    line, helps = failures.cause(error)
+    if helps:
+        traceback.print_exception(error)
+    report(script, RuntimeError(line))
+    failures.end_children()
+    return EXIT_FAILED
+
+
+def main(task_name: str, argv=None, root=None) -> int:
+    task = TASKS[task_name]
+    opt = cli.parse_args(argv, root, task)
+    failures.end_children_at_exit()
+    try:
+        cli.check_options(opt, comm.launched_world_size(), task)
+        device = comm.select_device(opt.device)
+        comm.print_banner(device, opt.device)
+        with comm.process_group(device, opt.ddp_timeout):
+            try:
+                trainer.train(task, opt, device)
+            except Exception as e:  # reported before the group is destroyed: a destroy that hangs cannot hide it
+                return outcome(task, opt, e)
+    except Exception as e:  # before the process group exists, or from making it
+        return outcome(task, opt, e)
+    return 0
+
+
+def outcome(task, opt, error: Exception) -> int:
+    """The exit status of a run that raised error, once its one line is out (where it is this rank's to say)."""
+    if isinstance(error, cli.UsageError):
+        report(task.script, error)
+        return EXIT_USAGE
+    if isinstance(error, KIT_ERRORS):
+        report(task.script, error)
+        return EXIT_FAILED
+    if isinstance(error, shutdown.Interrupted):
+        failures.record_for_torchrun(f'{task.script} [rank {comm.launched_rank()}]: {error}')
+        if comm.launched_rank() == 0:
+            print(f'{task.script}: {error}', file=sys.stderr, flush=True)
+        return error.exit_status
+    line = failures.collective_failure(error, opt.ddp_timeout)  # a peer gone or stalled
+    if line is None:  # a bug, out of memory, a dataset that raises: this rank alone
+        return fail(task.script, error)
+    report(task.script, RuntimeError(line))
+    return EXIT_FAILED
