@@ -3,8 +3,9 @@
 The handler only records the signal. Every CHECK_EVERY steps all ranks learn, in one tiny all_reduce, whether
 any of them was signalled, so they all stop after the same step: none is left waiting in a collective for a
 rank that has gone. Then, where --save-on-signal asks for it, rank 0 writes a resumable checkpoint of that
-step boundary, and the process group is destroyed on the way out (comm.process_group). A second signal
-interrupts at once.
+step boundary, and the process group is destroyed on the way out (comm.process_group). A second SIGINT
+(Ctrl-C again) interrupts at once. A second SIGTERM is the same request arriving twice: Slurm signals every process
+of a job step, and torchrun passes the SIGTERM it gets on to its workers, so each worker sees it twice.
 """
 import os
 import signal
@@ -39,9 +40,10 @@ class StopRequest:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        if self.signum is not None:
+        if self.signum is None:
+            self.signum = signum
+        elif signum != signal.SIGTERM:
             raise KeyboardInterrupt  # a second signal: stop now
-        self.signum = signum
 
     def agreed(self, step: int) -> int:
         """At every CHECK_EVERY-th step, the signal any rank received (0 if none); elsewhere 0."""

@@ -1,0 +1,147 @@
+"""The kit's Slurm job scripts (slurm/*.sbatch) against a real single-node Slurm that this module starts and always
+stops (testsupport/slurm.py: Debian's packages installed when missing, munged, slurmctld and slurmd as children,
+every job cancelled and gone before the daemons end).
+
+The jobs are the scripts as shipped, fitted to the test node on the sbatch command line (2 CPUs, 2 fake GPUs;
+the 2-node script as 2 tasks on the one node), training the kit's tiny model on the demo data with 2 CPU processes
+(gloo). They are stopped the way Slurm stops jobs: a signal to the batch shell (what a pre-emption notice or
+`scancel --batch --signal=TERM` sends) and the warning `--signal=B:TERM@N` sends before a time limit; `scancel`
+ends a job for good. 4 to 8 minutes on 2 cores, depending on their load (7 min at load 10).
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from testsupport.jobs import run, train_args
+from testsupport.slurm import (SCRIPTS, STOPPED, completed_after_stops_problems, measured_pace,
+                               resumable_checkpoint_at_requeue, running_cluster, submit_training, time_limit_plan)
+from testsupport.trees import describe
+from yolov9_ddp.shutdown import StopRequest
+
+SCRIPT_NAMES = sorted(path.name for path in SCRIPTS.glob('*.sbatch'))
+EPOCHS = 4
+JOB_DEADLINE_S = 360
+
+
+@pytest.fixture(scope='module')
+def cluster():
+    with running_cluster() as started:
+        yield started
+
+
+# -- without a cluster -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('script', SCRIPT_NAMES)
+def test_a_job_script_started_outside_slurm_says_so_in_one_line(script, patched_tree, offline_env):
+    env = {k: v for k, v in offline_env.items() if not k.startswith('SLURM_')}
+    result = subprocess.run(['bash', str(SCRIPTS / script), '--epochs', '1'], cwd=patched_tree, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, describe(result)
+    assert result.stderr.splitlines() == [f'{script}: error: not inside a Slurm job (SLURM_JOB_ID is unset): submit '
+                                          f'this script with sbatch'], describe(result)
+    assert result.stdout == '', describe(result)
+
+
+def test_a_repeated_sigterm_is_one_stop_request_and_a_second_sigint_interrupts():
+    """Slurm signals every process of a job step and torchrun passes its own SIGTERM on: each training process may
+    get SIGTERM twice, which must not cut short the checkpoint the first asked for."""
+    request = StopRequest()
+    try:
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)
+        assert request.signum == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        request.close()
+
+
+@pytest.mark.slow
+def test_a_requeued_job_whose_command_cannot_continue_its_run_is_warned(patched_tree, demo_data, offline_env,
+                                                                         tmp_path):
+    env = {**offline_env, 'SLURM_JOB_ID': '41', 'SLURM_RESTART_COUNT': '1'}
+    args = train_args(demo_data, tmp_path / 'runs', 1, 4, 64)
+    result = run([sys.executable, 'ddp_train_dual.py', *map(str, args)], patched_tree, timeout=300, env=env)
+    assert result.returncode == 0, describe(result)
+    output = result.stdout + result.stderr
+    assert output.count('Slurm job 41 was requeued (SLURM_RESTART_COUNT=1), but without --auto-resume this start '
+                        'cannot continue the previous one') == 1, describe(result)
+
+
+# -- against the cluster ---------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.usefixtures('upstream_importable')
+@pytest.mark.parametrize('script', SCRIPT_NAMES)
+def test_a_preempted_job_requeues_itself_and_completes_its_run(script, cluster, patched_tree, demo_data, offline_env,
+                                                               tmp_path):
+    """Signalled mid-epoch like a pre-emption notice (SIGTERM to the batch shell only), the job stops after an
+    agreed step with a resumable last.pt, requeues itself, and its next start resumes that checkpoint in the same
+    run folder and completes every epoch, appending to the same log."""
+    job = submit_training(cluster, script, patched_tree, tmp_path, demo_data, EPOCHS, offline_env)
+    job.wait_for_epochs(1, JOB_DEADLINE_S)  # epoch 1 is under way
+    cluster.command('scancel', '--batch', '--signal=TERM', job.id)
+    saved = resumable_checkpoint_at_requeue(job, 120)
+    fields = job.wait_until_ended(JOB_DEADLINE_S)
+    problems = completed_after_stops_problems(job, fields, EPOCHS, stops=1)
+    assert not problems, f'{problems}\n{saved}\n{job.output()[-6000:]}'
+    # the stop wrote the state of the interrupted epoch beside the checkpoint of the epoch before it, and the
+    # next start resumed from it (not from last.previous.pt) to run the interrupted epoch again
+    assert saved['epoch'] == saved['previous_epoch'] == len(saved['rows']) - 1, saved
+    assert saved['updates'] >= saved['previous_updates'], saved
+    last = job.run_dir / 'weights' / 'last.pt'
+    assert f'Resuming training from {last} at epoch {saved["epoch"] + 1} of {EPOCHS}' in job.output(), saved
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures('upstream_importable')
+def test_a_job_that_reaches_its_time_limit_requeues_itself_and_completes_its_run(cluster, patched_tree, demo_data,
+                                                                                offline_env, tmp_path):
+    """--time=T --signal=B:TERM@N: Slurm warns the batch shell ahead of the limit; the job stops with a resumable
+    last.pt, requeues itself and completes its run. A first job, left alone, measures this machine's pace; T, N,
+    the epochs and the moment of submission are chosen from it so that the warning comes mid-run (Slurm acts on
+    time limits only every 30 s)."""
+    paced, paced_fields, pace = measured_pace(cluster, patched_tree, tmp_path / 'pace', demo_data, offline_env)
+    assert not completed_after_stops_problems(paced, paced_fields, 3, stops=0), paced.output()[-6000:]
+    plan = time_limit_plan(cluster, pace)
+    time.sleep(max(plan['submit_at'] - time.time(), 0))
+    job = submit_training(cluster, 'single-node.sbatch', patched_tree, tmp_path / 'limited', demo_data,
+                          plan['epochs'], offline_env, options=plan['options'])
+    fields = job.wait_until_ended(JOB_DEADLINE_S)
+    output = job.output()
+    stops = output.count(STOPPED.format(last=job.run_dir / 'weights' / 'last.pt'))
+    assert stops >= 1, f'the time limit never stopped the training: {fields}\n{plan}\n{output[-6000:]}'
+    late_stops = output.count('already finished')  # a warning after a start's last step: one more, empty start
+    assert late_stops <= 1, output[-6000:]
+    problems = completed_after_stops_problems(job, fields, plan['epochs'], stops, late_stops)
+    assert not problems, f'{problems}\n{plan}\n{output[-6000:]}'
+
+
+@pytest.mark.slow
+def test_scancel_ends_the_job_without_requeueing_it(cluster, patched_tree, demo_data, offline_env, tmp_path):
+    """scancel sends SIGTERM to every process of the job, the batch shell included: the training still stops
+    cleanly, but the job must stay cancelled (Slurm is ending it, not warning it)."""
+    job = submit_training(cluster, 'single-node.sbatch', patched_tree, tmp_path, demo_data, EPOCHS, offline_env)
+    job.wait_for_epochs(1, JOB_DEADLINE_S)
+    cluster.command('scancel', job.id)
+    fields = job.wait_until_ended(120)
+    assert (fields.get('JobState'), fields.get('Restarts')) == ('CANCELLED', '0'), job.output()[-4000:]
+    assert f'job {job.id}: stopped on a signal (exit 1); the job is COMPLETING: not requeued' in \
+        job.output(), job.output()[-4000:]
+    assert not cluster.active_jobs()
+
+
+@pytest.mark.slow
+def test_an_allocation_with_fewer_gpus_than_processes_fails_in_one_line(cluster, patched_tree, demo_data, offline_env,
+                                                                       tmp_path):
+    job = submit_training(cluster, 'single-node.sbatch', patched_tree, tmp_path, demo_data, EPOCHS,
+                          {**offline_env, 'YOLOV9_DDP_NPROC': '3'})
+    fields = job.wait_until_ended(120)
+    assert (fields.get('JobState'), fields.get('ExitCode'), fields.get('Restarts')) == ('FAILED', '2:0', '0'), fields
+    assert job.output().splitlines() == ['single-node.sbatch: error: 3 processes but only 2 GPU(s) in this allocation: '
+                                         'ask for --gpus-per-node=3, or set YOLOV9_DDP_NPROC=2 or fewer'], job.output()
+    assert not os.path.exists(job.run_dir)
