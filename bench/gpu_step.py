@@ -1,83 +1,170 @@
 #!/usr/bin/env python3
-"""The GPU-only step ceiling: forward, loss, backward and optimizer step under AMP on a batch already on the GPU.
+"""The GPU-only training step: forward, loss, backward, optimizer step (and EMA) on a batch already on the GPU,
+no loader, on one process or one per GPU (torchrun, DDP, gradient all-reduce included).
 
-Run from a patched YOLOv9 tree with the kit installed (it imports upstream's model and loss, and the kit's
-fused_optimizer). Prints one JSON line with img/s for upstream's settings (deterministic algorithms, NCHW,
-foreach SGD), then adding cudnn autotuning, the fused SGD and channels-last one after the other.
+    [torchrun --nproc_per_node N] bench/gpu_step.py OUT.json --settings kit|upstream [--warmup W] [--steps S] ARGS
+
+ARGS are ddp_train_dual.py's (--data, --cfg, --batch-size for all processes, --imgsz, --device, --levers ...).
+  kit        run in the kit tree: the kit's own Trainer.train_step, with its levers (defaults, or --levers)
+  upstream   run in the upstream tree: train_dual.py's step as upstream writes it, with its settings (deterministic
+             algorithms, NCHW, foreach SGD, DDP with static_graph and buffer broadcasts, the EMA on rank 0 only)
+
+Both take the same batch: each rank's images of the training set, augmented (mosaic) under fixed seeds by
+upstream's LoadImagesAndLabels. Times `steps` steps after `warmup` (cudnn autotuning, compilation); rank 0
+writes OUT.json: img/s over all processes, and the warm-up's seconds.
 """
 import argparse
 import json
 import os
+import random
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')  # what upstream's init_seeds sets for determinism
-sys.path.insert(0, str(Path.cwd()))
+ROOT = Path.cwd()  # the kit tree or the upstream tree
+sys.path.insert(0, str(ROOT))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the kit's yolov9_ddp (the kit tree's own comes first)
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import yaml  # noqa: E402
 
-from models.yolo import Model  # noqa: E402
-from utils.loss_tal_dual import ComputeLoss  # noqa: E402
-from utils.torch_utils import smart_optimizer  # noqa: E402
-from yolov9_ddp.levers import fused_optimizer  # noqa: E402
+from yolov9_ddp import cli, comm  # noqa: E402
+from yolov9_ddp.tasks import TASKS  # noqa: E402
 
-CONFIGS = {'upstream': dict(benchmark=False, channels_last=False, fused=False),
-           'cudnn_benchmark': dict(benchmark=True, channels_last=False, fused=False),
-           'cudnn_benchmark+fused': dict(benchmark=True, channels_last=False, fused=True),
-           'cudnn_benchmark+fused+channels_last': dict(benchmark=True, channels_last=True, fused=True)}
+TASK = TASKS['detect-dual']  # train_dual.py's
 
 
-def fixed_batch(batch, imgsz, boxes=6):
-    images = torch.rand(batch, 3, imgsz, imgsz, device='cuda')
-    rows = []
-    for i in range(batch):
-        xy, wh = torch.rand(boxes, 2) * 0.6 + 0.2, torch.rand(boxes, 2) * 0.2 + 0.05
-        rows.append(torch.cat([torch.full((boxes, 1), float(i)), torch.randint(0, 3, (boxes, 1)).float(), xy, wh], 1))
-    return images, torch.cat(rows).cuda()
+def fixed_batch(dataset, first: int, count: int, seed: int):
+    """Items first..first+count-1 of an augmenting LoadImagesAndLabels, each drawn under its own fixed seed."""
+    items = []
+    for index in range(first, first + count):
+        random.seed(seed + index)
+        np.random.seed(seed + index)
+        items.append(dataset[index % len(dataset)])
+    images, targets, _, _ = dataset.collate_fn(items)
+    return images, targets
 
 
-def step_rate(cfg, batch, imgsz, benchmark, channels_last, fused, warmup=15, steps=40):
-    torch.backends.cudnn.benchmark = benchmark
-    torch.backends.cudnn.deterministic = not benchmark
-    torch.use_deterministic_algorithms(not benchmark)
-    model = Model(cfg, ch=3, nc=3).cuda().train()
-    model.hyp = yaml.safe_load(Path('data/hyps/hyp.scratch-high.yaml').read_text())
-    loss_fn = ComputeLoss(model)
-    if channels_last:  # before the optimizer: fused SGD needs its buffers in the weights' layout
-        model.to(memory_format=torch.channels_last)
-    optimizer = smart_optimizer(model, 'SGD', 0.01, 0.937, 5e-4)
-    if fused:
-        optimizer = fused_optimizer(optimizer)
-    scaler = torch.amp.GradScaler('cuda')
-    images, targets = fixed_batch(batch, imgsz)
-    if channels_last:
+def synchronize(cuda: bool):
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def time_steps(step, warmup: int, steps: int, cuda: bool) -> dict:
+    """Run step(i) warmup + steps times; the seconds of the warm-up and of the timed steps."""
+    synchronize(cuda)
+    started = time.perf_counter()
+    for i in range(warmup):
+        step(i)
+    synchronize(cuda)
+    warmed = time.perf_counter()
+    for i in range(warmup, warmup + steps):
+        step(i)
+    synchronize(cuda)
+    comm.barrier()
+    return {'warmup_s': round(warmed - started, 2), 'steps_s': time.perf_counter() - warmed}
+
+
+def kit_step(opt, device):
+    """The kit's Trainer.train_step on a fixed batch, at the iterations of its second epoch."""
+    from yolov9_ddp.trainer import prepare_trainer
+    trainer = prepare_trainer(TASK, opt, device)
+    per_rank = trainer.batch_size // trainer.world
+    images, targets = fixed_batch(trainer.dataset, trainer.rank * per_rank, per_rank, opt.seed)
+    pin = trainer.levers.pin_memory and trainer.cuda
+    images = images.to(device, non_blocking=pin).float() / 255
+    if trainer.levers.channels_last:
         images = images.contiguous(memory_format=torch.channels_last)
-    for i in range(warmup + steps):
-        if i == warmup:
-            torch.cuda.synchronize()
-            started = time.time()
-        with torch.amp.autocast('cuda'):
-            loss, _ = loss_fn(model(images), targets)
+    targets = targets.to(device, non_blocking=pin)
+    trainer.model.train()
+    return lambda i: trainer.train_step(trainer.nb + i, 1, images, targets), per_rank, trainer.world
+
+
+def upstream_step(opt, device):
+    """train_dual.py's step (its loop body from warmup to the EMA update) with its settings, on a fixed batch."""
+    import yaml
+    from torch.nn.parallel import DistributedDataParallel
+    from models.yolo import Model
+    from utils.dataloaders import LoadImagesAndLabels
+    from utils.general import check_dataset, init_seeds
+    from utils.loss_tal_dual import ComputeLoss
+    from utils.torch_utils import ModelEMA, smart_DDP, smart_optimizer
+    rank, world, cuda = comm.get_rank(), comm.get_world_size(), device.type == 'cuda'
+    init_seeds(opt.seed + 1 + rank, deterministic=True)
+    hyp = yaml.safe_load(Path(opt.hyp).read_text())
+    data = check_dataset(opt.data)
+    model = Model(opt.cfg, ch=3, nc=int(data['nc']), anchors=hyp.get('anchors')).to(device)
+    gs = max(int(model.stride.max()), 32)
+    batch, nbs = opt.batch_size, 64
+    accumulate = max(round(nbs / batch), 1)
+    hyp['weight_decay'] *= batch * accumulate / nbs
+    optimizer = smart_optimizer(model, opt.optimizer, hyp['lr0'], hyp['momentum'], hyp['weight_decay'])
+    lf = lambda x: (1 - x / opt.epochs) * (1.0 - hyp['lrf']) + hyp['lrf']  # noqa: E731  (upstream's linear LR)
+    for group in optimizer.param_groups:
+        group['initial_lr'] = group['lr']
+    ema = ModelEMA(model) if rank == 0 else None
+    per_rank = batch // world
+    dataset = LoadImagesAndLabels(data['train'], opt.imgsz, per_rank, augment=True, hyp=hyp, stride=gs)
+    if world > 1:  # upstream wraps in DDP on CUDA only (smart_DDP); on CPUs (a dry run) the same wrapper, gloo
+        model = smart_DDP(model) if cuda else DistributedDataParallel(model, static_graph=True)
+    model.nc, model.hyp, model.names = int(data['nc']), {**hyp, 'anchor_t': 5.0, 'label_smoothing': 0.0}, data['names']
+    compute_loss = ComputeLoss(model)
+    scaler = torch.amp.GradScaler('cuda', enabled=cuda)
+    images, targets = fixed_batch(dataset, rank * per_rank, per_rank, opt.seed)
+    images, targets = images.to(device).float() / 255, targets.to(device)
+    nb = (len(dataset) + batch - 1) // batch
+    nw = max(round(hyp['warmup_epochs'] * nb), 100)
+    state = {'accumulate': accumulate, 'last_opt_step': -1}
+    model.train()
+
+    def step(i):
+        ni = nb + i  # the second epoch, as the kit's step
+        if ni <= nw:
+            state['accumulate'] = max(1, np.interp(ni, [0, nw], [1, nbs / batch]).round())
+            for j, group in enumerate(optimizer.param_groups):
+                group['lr'] = np.interp(ni, [0, nw], [hyp['warmup_bias_lr'] if j == 0 else 0.0,
+                                                      group['initial_lr'] * lf(1)])
+                if 'momentum' in group:
+                    group['momentum'] = np.interp(ni, [0, nw], [hyp['warmup_momentum'], hyp['momentum']])
+        with torch.amp.autocast('cuda', enabled=cuda):
+            loss, _ = compute_loss(model(images), targets)
+            if world > 1:
+                loss *= world
         scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=10.0)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
-    torch.cuda.synchronize()
-    return round(batch * steps / (time.time() - started), 1)
+        if ni - state['last_opt_step'] >= state['accumulate']:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=10.0)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            if ema:
+                ema.update(model)
+            state['last_opt_step'] = ni
+    return step, per_rank, world
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument('--cfg', default='models/detect/yolov9-s.yaml')
-    p.add_argument('--batch', type=int, default=32)
-    p.add_argument('--imgsz', type=int, default=640)
-    args = p.parse_args()
-    rates = {name: step_rate(args.cfg, args.batch, args.imgsz, **config) for name, config in CONFIGS.items()}
-    print(json.dumps({'batch': args.batch, 'imgsz': args.imgsz, 'img_per_s': rates}))
+    p.add_argument('out', type=Path)
+    p.add_argument('--settings', choices=('kit', 'upstream'), required=True)
+    p.add_argument('--warmup', type=int, default=15)
+    p.add_argument('--steps', type=int, default=40)
+    args, train_args = p.parse_known_args()
+    if args.settings == 'upstream':
+        os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')  # what upstream's init_seeds sets, before cuBLAS
+    opt = cli.parse_args(train_args, ROOT, TASK)
+    cli.check_options(opt, comm.launched_world_size(), TASK)
+    device = comm.select_device(opt.device)
+    with comm.process_group(device):
+        step, per_rank, world = (kit_step if args.settings == 'kit' else upstream_step)(opt, device)
+        timing = time_steps(step, args.warmup, args.steps, device.type == 'cuda')
+        if comm.is_primary():
+            images = per_rank * world * args.steps
+            args.out.write_text(json.dumps({
+                'settings': args.settings, 'processes': world, 'batch_per_process': per_rank, 'steps': args.steps,
+                'img_per_s': round(images / timing['steps_s'], 1),
+                'per_gpu_img_per_s': round(images / timing['steps_s'] / world, 1), 'warmup_s': timing['warmup_s'],
+                'warmup_steps': args.warmup}))
 
 
 if __name__ == '__main__':

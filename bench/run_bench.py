@@ -1,24 +1,41 @@
 #!/usr/bin/env python3
-"""Side-by-side GPU benchmark of upstream's train_dual.py and the kit's ddp_train_dual.py, in one run.
+"""The kit against upstream on a machine with N GPUs: one call measures one or two whole comparisons, each as
+alternating pairs (A, B, A, B, ...), every pair recorded, the target the median of the pairs' ratios.
 
-    python bench/run_bench.py --trees .bench --gpus 2 --sections main,ceiling,val --out OUT_DIR
-    python bench/run_bench.py --trees .bench --gpus 2 --sections levers,parity --out OUT_DIR
+    python bench/run_bench.py CALL --out DIR [--gpus N] [--pairs 3] [--deadline-s S]         on the GPU machine
+    python bench/run_bench.py CALL --out DIR --dry-run [--gpus 2]                            CPUs, gloo, tiny sizes
 
---trees holds two patched copies of the pinned YOLOv9 (made by bench/prepare_trees.py): `upstream` with the
-modern-stack patches only (0001-0008, so upstream's own code runs unchanged on today's stack) and `kit` with
-the whole series and the kit installed. Every run uses the same generated dataset (4096 images at 640 px by
-default, made on the machine), model, global batch, AMP and epoch count; the number of GPUs is a parameter.
+CALL (bench/PLAN.md has the device calls; bench/results.py the targets):
+  per-gpu      upstream train_dual.py on N GPUs | the kit on N GPUs                -> per_gpu_vs_upstream_Ngpu
+  scaling      the kit on 1 GPU | the kit on N GPUs                                -> scaling_Ngpu
+  step         the kit on N GPUs | its GPU-only step | upstream's GPU-only step    -> in_loop_vs_gpu_only,
+                                                                                      gpu_only_vs_upstream_settings
+  val-cache    rank-0 | distributed validation (one job); the kit with --cache ram on 1 | N GPUs
+                                                                                   -> val_Ngpu_vs_rank0,
+                                                                                      ram_cache_Nranks_vs_1rank
+  parity       per seed: the kit on 1 GPU | on N GPUs | on N GPUs with upstream's numerics, trained to the end
+                                                                                   -> parity_map50_95_points
+  cache-speed  the kit on N GPUs with --cache ram | without                       -> ram_cache_speedup_Ngpu (no target)
+  lever        the kit on N GPUs | with --levers LEVER (e.g. channels_last=1)      -> lever LEVER (no target)
+  entry-points every kit entry point (ddp_train.py, ..., segment/ddp_train_dual.py) trains on N GPUs: a whole
+               short run each, an upstream model of its kind on its task's demo data  -> entry_points (no target)
 
-Throughput is measured from outside the training process, the same way for both: the moment each epoch's row
-lands in results.csv. The first epoch (start-up, cudnn autotuning, worker start) is excluded: img/s is the
-second epoch's images over the time between the first and second rows, and the job is stopped there (the
-third epoch exists only so that the second is not the final one, which validates). Peak memory per GPU is
-sampled with nvidia-smi every 0.2 s. Each section appends its figures to OUT/results.json as it finishes.
+Throughput is timed from outside the training process, the same way for both programs, as in the earlier rounds:
+the second epoch's images over the time between the first and second rows of results.csv (the first epoch, with
+start-up, autotuning and worker start, is excluded; the run is stopped there). The kit's in-loop figure is its own
+'epoch 1: ... img/s' log line (the loop alone, without the epoch's end). Each run's figures, and the pairs and
+targets so far, are written to OUT/results.json after every round; a round that would end past --deadline-s is not
+started, so a call always returns its figures.
+
+Everything is prepared on the machine from what travels: the trees (bench/prepare_trees.py, from .bench) and the
+dataset (bench/photo_data.py: photographs at COCO's sizes, generated from a seed).
 """
 import argparse
 import csv
 import json
 import os
+import platform
+import re
 import signal
 import subprocess
 import sys
@@ -29,175 +46,414 @@ from pathlib import Path
 KIT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(KIT))
 
+from bench import photo_data, prepare_trees, results  # noqa: E402
+from testsupport import imagecache  # noqa: E402
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset  # noqa: E402
+from yolov9_ddp.tasks import TASKS  # noqa: E402
 
 NCCL_SAFETY = {'NCCL_NVLS_ENABLE': '0', 'TORCH_SYMM_MEM_DISABLE_MULTICAST': '1', 'NVSHMEM_DISABLE_NVLS': '1'}
-# Each lever of yolov9_ddp/levers.py switched away from its default, one at a time (see YOLOV9_DDP_LEVERS).
-LEVER_ABLATIONS = ['cudnn_benchmark=0', 'fused_optimizer=0', 'foreach_ema=0', 'progress_every=1', 'pin_memory=0',
-                   'persistent_workers=0', 'bucket_view=0', 'channels_last=1', 'static_graph=1', 'compile=1']
+UPSTREAM_NUMERICS = 'cudnn_benchmark=0,fused_optimizer=0,foreach_ema=0'  # the kit's levers that change the math
+TINY_CFG = str(KIT / 'yolov9_ddp' / 'models' / 'tiny-dual.yaml')
+IN_LOOP = re.compile(r'epoch (\d+): (\d+) images in ([\d.]+) s \(([\d.]+) img/s\)')
+FINAL_MAP = re.compile(r'Final:.*mAP50-95 ([\d.]+)')
+FINAL_LINE = re.compile(r'Final:\S* (.*?)  \(')  # the metrics of the final validation, any task's
+# an upstream model of each entry point's kind (the kit's tiny ones in a dry run)
+ENTRY_POINT_CFGS = {'detect': 'models/detect/gelan-s.yaml', 'detect-dual': 'models/detect/yolov9-s.yaml',
+                    'detect-triple': 'models/detect/yolov9-cf.yaml', 'segment': 'models/segment/gelan-c-seg.yaml',
+                    'segment-dual': 'models/segment/yolov9-c-dseg.yaml'}
+
+# Sizes of a GPU call and of a dry run (CPUs, a few seconds a run): the model, images per GPU, the datasets (main:
+# 4096 images as in the earlier rounds; short: 3072 where a call's three rounds need the time, scaling and step).
+SIZES = {
+    'gpu': dict(cfg='models/detect/yolov9-s.yaml', imgsz=640, batch_per_gpu=32, workers=8, deadline_s=530,
+                main=photo_data.PhotoSpec(train=4096, val=1000), short=photo_data.PhotoSpec(train=3072, val=1000),
+                memory=photo_data.PhotoSpec(train=2048, val=1000), lever=photo_data.PhotoSpec(train=2048, val=1000),
+                parity=photo_data.PhotoSpec(train=4096, val=500, scale=0.5), parity_imgsz=256, parity_batch=64,
+                parity_epochs=4, steps=(15, 40), run_timeout_s=300,
+                entry=dict(train=1024, val=256, imgsz=320, epochs=3, batch_per_gpu=16)),
+    'dry-run': dict(cfg=TINY_CFG, imgsz=64, batch_per_gpu=4, workers=1, deadline_s=1500,
+                    **{name: photo_data.PhotoSpec(train=32, val=16, scale=0.2)
+                       for name in ('main', 'short', 'memory', 'lever', 'parity')},
+                    parity_imgsz=64, parity_batch=8, parity_epochs=2, steps=(2, 3), run_timeout_s=300,
+                    entry=dict(train=16, val=8, imgsz=64, epochs=1, batch_per_gpu=4)),
+}
+
+
+class RunFailed(Exception):
+    """A run ended without its figures; the message has the end of its log."""
 
 
 class Bench:
     def __init__(self, args):
-        self.args, self.out = args, Path(args.out)
+        self.args, self.n = args, args.gpus
+        self.mode = 'dry-run' if args.dry_run else 'gpu'
+        self.size = SIZES[self.mode]
+        self.cuda = not args.dry_run
+        self.out, self.work = Path(args.out), Path(args.work)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.results_file = self.out / 'results.json'
-        self.results = json.loads(self.results_file.read_text()) if self.results_file.exists() else {}
-        self.work = Path(args.work)
-        self.logs = self.work / 'logs'  # full logs stay on the machine; results.json keeps the tails of failed runs
+        self.logs = self.work / 'logs'  # the full logs stay on the machine; failed runs' tails go to results.json
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.upstream, self.kit = Path(args.trees).resolve() / 'upstream', Path(args.trees).resolve() / 'kit'
+        self.started = time.monotonic()
+        self.deadline = args.deadline_s or self.size['deadline_s']
         self.env = {**os.environ, **NCCL_SAFETY, 'PYTHONUNBUFFERED': '1', 'MPLBACKEND': 'Agg'}
+        if args.dry_run:
+            self.env.update(OMP_NUM_THREADS='1', GLOO_SOCKET_IFNAME='lo')
+        self.record = {'mode': 'gpu' if self.cuda else 'dry-run (CPU, gloo)', 'gpus': self.n,
+                       'machine': machine(self.cuda), 'calls': [], 'datasets': {}, 'pairs': {}}
+        self.call = {'call': args.call, 'command': ' '.join(sys.argv), 'date': time.strftime('%F %T')}
+        self.record['calls'].append(self.call)
+        trees = prepare_trees.ensure_trees(self.work / 'trees', Path(args.carry).resolve())
+        self.upstream, self.kit = trees / 'upstream', trees / 'kit'
 
-    def record(self, section, value):
-        self.results[section] = value
-        self.results_file.write_text(json.dumps(self.results, indent=1))
-        print(f'== {section}: {json.dumps(value)[:1500]}', flush=True)
+    # -- bookkeeping ------------------------------------------------------------------------------------------------
 
-    # -- data and commands ------------------------------------------------------------------------------------------
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
 
-    def dataset(self, train, val, imgsz):
-        spec = DemoSpec(train=train, val=val, imgsz=imgsz, max_objects=8)
-        return ensure_demo_dataset(self.work / f'data-{train}-{val}-{imgsz}', spec, processes=os.cpu_count())
+    def save(self):
+        self.call['wall_s'] = round(self.elapsed())
+        self.record['targets'] = results.targets_from(self.record['pairs'], self.n)
+        (self.out / 'results.json').write_text(json.dumps(self.record, indent=1) + '\n')
 
-    def kit_workers(self, gpus):
-        """Ask the kit for as many workers as it allows: it sizes them from the CPUs per local rank."""
-        return os.cpu_count()
+    def dataset(self, name: str) -> str:
+        spec, ensure = self.size[name], photo_data.ensure_photo_dataset
+        if self.args.dataset == 'demo':  # flat shapes, for a dry run where scikit-image is missing
+            spec = DemoSpec(train=spec.train, val=spec.val, imgsz=max(32, round(640 * spec.scale)), max_objects=8)
+            ensure = ensure_demo_dataset
+        root = self.work / f'data-{name}-{self.args.dataset}-{spec.train}-{spec.val}'
+        started = time.monotonic()
+        data_yaml = ensure(root, spec, processes=os.cpu_count())
+        if str(root) not in self.record['datasets']:
+            self.record['datasets'][str(root)] = {'spec': repr(spec), 'generated_s': round(time.monotonic() - started),
+                                                  **photo_data.file_stats(root)}
+        return str(data_yaml)
 
-    def train_cmd(self, script, gpus, data, cfg, batch_per_gpu, imgsz, epochs, name, extra=(), workers=None):
-        a = self.args
-        workers = workers or (self.kit_workers(gpus) if script == 'ddp_train_dual.py' else a.workers)
-        common = ['--data', data, '--cfg', cfg, '--hyp', 'data/hyps/hyp.scratch-high.yaml', '--epochs', epochs,
-                  '--batch-size', batch_per_gpu * gpus, '--imgsz', imgsz, '--workers', workers,
-                  '--device', ','.join(str(i) for i in range(gpus)) if a.device != 'cpu' else 'cpu',
-                  '--project', self.work / 'runs', '--name', name, '--exist-ok', '--noplots', *extra]
-        launcher = [sys.executable] if gpus == 1 else \
-            [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', gpus]
-        return [str(x) for x in [*launcher, script, *common]]
+    def rounds(self, runs: dict, pairs: dict):
+        """runs {label: run(i)} in order, round after round; after each round every pair series
+        {key: (label_a, label_b, ratio(a, b), what)} gets the round's pair. Stops at --pairs rounds, or before a
+        round that the slowest round so far says would end past the deadline."""
+        for key, (label_a, label_b, _, what) in pairs.items():
+            self.record['pairs'][key] = {'call': self.args.call, 'a': label_a, 'b': label_b, 'ratio_is': what,
+                                         'pairs': []}
+        slowest = 0.0
+        for i in range(self.args.pairs):
+            if i and self.elapsed() + slowest > self.deadline:
+                self.call['stopped'] = f'round {i + 1} would end past the deadline of {self.deadline} s'
+                break
+            started, figures = time.monotonic(), {}
+            for label, run in runs.items():
+                try:
+                    figures[label] = run(i)
+                except RunFailed as e:
+                    figures[label] = {'error': str(e)}
+            for key, (label_a, label_b, ratio, _) in pairs.items():
+                a, b = figures[label_a], figures[label_b]
+                value = None if 'error' in a or 'error' in b else ratio(a, b)
+                self.record['pairs'][key]['pairs'].append({'a': a, 'b': b, 'ratio': value})
+                self.record['pairs'][key] = results.summarise(self.record['pairs'][key])
+            slowest = max(slowest, time.monotonic() - started)
+            self.save()
+            print(f'== round {i + 1} ({time.monotonic() - started:.0f} s): ' + ', '.join(
+                f'{key} {series["pairs"][-1]["ratio"]}' for key, series in self.record['pairs'].items()
+                if key in pairs), flush=True)
 
-    # -- measuring a training run -------------------------------------------------------------------------------------
+    # -- one training run, timed from outside -----------------------------------------------------------------------
 
-    def measure(self, name, cmd, cwd, images, rows_needed=2, env=None, timeout=400):
-        """Run until results.csv has rows_needed rows; returns timings, peak memory per GPU and the log tail."""
+    def train_cmd(self, tree, gpus, data, name, epochs=3, extra=(), cfg=None, imgsz=None, batch=None, seed=0):
+        upstream = tree == self.upstream
+        size = self.size
+        batch = batch or size['batch_per_gpu'] * gpus
+        workers = size['workers'] if upstream else os.cpu_count()  # the kit caps it by the CPUs per process
+        device = ','.join(str(i) for i in range(gpus)) if self.cuda else 'cpu'
+        args = ['--data', data, '--cfg', cfg or size['cfg'], '--hyp', 'data/hyps/hyp.scratch-high.yaml',
+                '--epochs', epochs, '--batch-size', batch, '--imgsz', imgsz or size['imgsz'], '--workers', workers,
+                '--device', device, '--seed', seed, '--project', self.work / 'runs', '--name', name, '--exist-ok',
+                '--noplots', *extra]
+        return [str(x) for x in [*launcher(gpus), 'train_dual.py' if upstream else 'ddp_train_dual.py', *args]]
+
+    def train(self, name, cmd, tree, images, rows=2, memory_at_row=None) -> dict:
+        """Run until results.csv has `rows` rows; img/s of the last epoch, the kit's in-loop figures, peak GPU
+        memory, and (memory_at_row) the node's memory for the image cache when that row lands."""
         csv_path = self.work / 'runs' / name / 'results.csv'
         csv_path.unlink(missing_ok=True)
-        sampler = MemorySampler() if self.args.device != 'cpu' else None
-        log = open(self.logs / f'{name}.log', 'w')
-        started = time.time()
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env or self.env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        stamps = []
+        log_path = self.logs / f'{name}.log'
+        sampler = GpuMemory() if self.cuda else None
+        started, stamps, cache = time.monotonic(), [], None
+        with open(log_path, 'w') as log:
+            proc = subprocess.Popen(cmd, cwd=tree, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         try:
-            while len(stamps) < rows_needed:
-                rows = count_rows(csv_path)
-                stamps += [time.time()] * (rows - len(stamps))
-                if proc.poll() is not None and len(stamps) < rows_needed:
-                    if count_rows(csv_path) >= rows_needed:
-                        continue
-                    raise RuntimeError(f'{name} exited with {proc.returncode} after {len(stamps)} epochs: '
-                                       f'{log_tail(self.logs / f"{name}.log")}')
-                if time.time() - started > timeout:
-                    raise RuntimeError(f'{name} timed out after {len(stamps)} epochs: '
-                                       f'{log_tail(self.logs / f"{name}.log")}')
+            while len(stamps) < rows:
+                new = count_rows(csv_path) - len(stamps)
+                stamps += [time.monotonic()] * max(new, 0)
+                if memory_at_row and len(stamps) >= memory_at_row and cache is None:
+                    cache = imagecache.node_cache_report(imagecache.descendants(proc.pid))
+                if len(stamps) >= rows:
+                    break
+                if proc.poll() is not None and count_rows(csv_path) <= len(stamps):
+                    raise RunFailed(f'{name} exited with {proc.returncode} after {len(stamps)} epochs: '
+                                    f'{log_tail(log_path)}')
+                if time.monotonic() - started > self.size['run_timeout_s']:
+                    raise RunFailed(f'{name} timed out after {len(stamps)} epochs: {log_tail(log_path)}')
                 time.sleep(0.05)
         finally:
-            stop(proc, marker=str(self.work / 'runs' / name))
-            log.close()
-            peaks = sampler.stop() if sampler else {}
-        seconds = stamps[-1] - stamps[-2]
-        result = {'img_per_s': round(images / seconds, 1), 'epoch_s': round(seconds, 2),
-                  'first_epoch_end_s': round(stamps[0] - started, 1), 'peak_mem_mib': peaks,
-                  'kit_epoch_log': [line.strip() for line in (self.logs / f'{name}.log').read_text(errors='replace')
-                                    .splitlines() if line.startswith('epoch ')][-2:]}
-        print(f'   {name}: {result}', flush=True)
-        return result
+            stop(proc, self.cuda)
+            peaks = sampler.stop() if sampler else None
+        loop = [dict(zip(('epoch', 'images', 'seconds', 'img_per_s'), map(float, m.groups())))
+                for m in IN_LOOP.finditer(log_path.read_text(errors='replace'))]
+        figures = {'first_epoch_end_s': round(stamps[0] - started, 1), 'command': ' '.join(cmd)}
+        if rows > 1:
+            figures.update(img_per_s=round(images / (stamps[-1] - stamps[-2]), 1),
+                           epoch_s=round(stamps[-1] - stamps[-2], 2))
+        if loop:
+            figures['in_loop_img_per_s'] = loop[-1]['img_per_s']
+        if peaks:
+            figures['peak_mem_mib'] = peaks
+        if cache:
+            figures['cache_memory'] = cache
+        print(f'   {name}: {json.dumps({k: v for k, v in figures.items() if k != "command"})}', flush=True)
+        return figures
 
-    # -- sections ---------------------------------------------------------------------------------------------------
+    def train_to_the_end(self, name, cmd, tree) -> dict:
+        """A whole training run (parity): its final mAP50-95, best.pt validated again at the end."""
+        log_path = self.logs / f'{name}.log'
+        started = time.monotonic()
+        with open(log_path, 'w') as log:
+            proc = subprocess.Popen(cmd, cwd=tree, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        try:
+            proc.wait(timeout=self.size['run_timeout_s'])
+        except subprocess.TimeoutExpired:
+            raise RunFailed(f'{name} timed out: {log_tail(log_path)}') from None
+        finally:
+            stop(proc, self.cuda)
+        final = FINAL_MAP.findall(log_path.read_text(errors='replace'))
+        if proc.returncode or not final:
+            raise RunFailed(f'{name} exited with {proc.returncode}: {log_tail(log_path)}')
+        print(f'   {name}: mAP50-95 {final[-1]} in {time.monotonic() - started:.0f} s', flush=True)
+        return {'map50_95': float(final[-1]), 'seconds': round(time.monotonic() - started),
+                'best_row': best_row(self.work / 'runs' / name / 'results.csv'), 'command': ' '.join(cmd)}
 
-    def main_section(self):
-        a, gpus = self.args, self.args.gpus
-        data = self.dataset(a.images, a.val_images, a.data_imgsz)
-        runs = {}
-        plan = [('upstream', self.upstream, 'train_dual.py', n, None) for n in sorted({1, gpus})]
-        plan += [('kit', self.kit, 'ddp_train_dual.py', n, None) for n in sorted({1, gpus})]
-        for label, tree, script, n, workers in plan:
-            name = f'{label}-{n}gpu' + (f'-w{workers}' if workers else '')
-            cmd = self.train_cmd(script, n, data, a.cfg, a.batch_per_gpu, a.imgsz, 3, name, ['--noval'], workers)
-            runs[name] = {'gpus': n, 'global_batch': a.batch_per_gpu * n, 'command': ' '.join(cmd)}
-            try:
-                runs[name].update(self.measure(name, cmd, tree, a.images))
-                runs[name]['per_gpu_img_per_s'] = round(runs[name]['img_per_s'] / n, 1)
-            except RuntimeError as e:  # keep measuring the others
-                runs[name]['error'] = str(e)
-            self.record('main', runs)
+    def job(self, name, script_args, gpus, tree) -> dict:
+        """A bench script (gpu_step.py, val_time.py) run in tree on gpus processes; its JSON."""
+        out, log_path = self.logs / f'{name}.json', self.logs / f'{name}.log'
+        out.unlink(missing_ok=True)
+        cmd = [str(x) for x in [*launcher(gpus), *script_args[:1], out, *script_args[1:]]]
+        with open(log_path, 'w') as log:
+            proc = subprocess.Popen(cmd, cwd=tree, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        try:
+            proc.wait(timeout=self.size['run_timeout_s'])
+        except subprocess.TimeoutExpired:
+            raise RunFailed(f'{name} timed out: {log_tail(log_path)}') from None
+        finally:
+            stop(proc, self.cuda)
+        if proc.returncode or not out.exists():
+            raise RunFailed(f'{name} exited with {proc.returncode}: {log_tail(log_path)}')
+        figures = {**json.loads(out.read_text()), 'command': ' '.join(cmd)}
+        print(f'   {name}: {json.dumps({k: v for k, v in figures.items() if k != "command"})[:300]}', flush=True)
+        return figures
 
-    def ceiling_section(self):
-        cmd = [sys.executable, str(KIT / 'bench' / 'gpu_step.py'), '--cfg', self.args.cfg, '--batch',
-               str(self.args.batch_per_gpu), '--imgsz', str(self.args.imgsz)]
-        result = subprocess.run(cmd, cwd=self.kit, env=self.env, capture_output=True, text=True, timeout=300)
-        (self.logs / 'ceiling.log').write_text(result.stdout + result.stderr)
-        if result.returncode:
-            raise RuntimeError(log_tail(self.logs / 'ceiling.log'))
-        self.record('ceiling', json.loads(result.stdout.strip().splitlines()[-1]))
+    # -- the calls --------------------------------------------------------------------------------------------------
 
-    def val_section(self):
-        a = self.args
-        data = self.dataset(a.images, a.val_images, a.data_imgsz)
-        timings = {}
-        for n in sorted({1, a.gpus}):
-            out = self.logs / f'val-{n}gpu.json'
-            args = [KIT / 'bench' / 'val_time.py', out, '--data', data, '--cfg', a.cfg, '--imgsz', a.imgsz,
-                    '--batch-size', a.batch_per_gpu * n, '--workers', a.workers, '--device',
-                    ','.join(str(i) for i in range(n)) if a.device != 'cpu' else 'cpu',
-                    '--project', self.work / 'runs', '--name', f'val-{n}', '--exist-ok', '--noplots']
-            launcher = [sys.executable] if n == 1 else \
-                [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', n]
-            result = subprocess.run([str(x) for x in [*launcher, *args]], cwd=self.kit, env=self.env,
-                                    capture_output=True, text=True, timeout=400)
-            (self.logs / f'val-{n}gpu.log').write_text(result.stdout + result.stderr)
-            if result.returncode:
-                raise RuntimeError(log_tail(self.logs / f'val-{n}gpu.log'))
-            timings[f'{n}gpu'] = json.loads(out.read_text())
-        self.record('validation', timings)
+    def per_gpu(self):
+        data, n, images = self.dataset('main'), self.n, self.size['main'].train
+        # upstream's train_dual.py refuses DDP without CUDA ('insufficient CUDA devices'): a dry run runs it on one
+        # process, with the same global batch
+        upstream_gpus = n if self.cuda else 1
+        batch = self.size['batch_per_gpu'] * n
+        runs = {
+            'upstream': lambda i: self.train(f'upstream-{n}gpu-{i}', self.train_cmd(
+                self.upstream, upstream_gpus, data, f'upstream-{n}gpu-{i}', extra=['--noval'], batch=batch),
+                self.upstream, images),
+            'kit': lambda i: self.train(f'kit-{n}gpu-{i}', self.train_cmd(
+                self.kit, n, data, f'kit-{n}gpu-{i}', extra=['--noval']), self.kit, images)}
+        key = f'per_gpu_vs_upstream_{n}gpu'
+        self.rounds(runs, {key: ('upstream', 'kit', lambda a, b: ratio(b, a, 'img_per_s'),
+                                 results.TARGETS['per_gpu_vs_upstream_{n}gpu'])})
+        if not self.cuda:
+            self.record['pairs'][key]['note'] = "dry run: train_dual.py refuses DDP without CUDA, so upstream's " \
+                                                'runs were one process (same global batch)'
 
-    def levers_section(self):
-        a = self.args
-        data = self.dataset(a.lever_images, a.val_images, a.data_imgsz)
-        runs = {}
-        for ablation in ['defaults', f'workers={a.workers}', *LEVER_ABLATIONS]:
-            name = 'lever-' + ablation.replace('=', '-')
-            extra = ['--noval']
-            env = dict(self.env)
-            workers = int(ablation.split('=')[1]) if ablation.startswith('workers=') else None
-            if ablation != 'defaults' and not workers:
-                env['YOLOV9_DDP_LEVERS'] = ablation
-            cmd = self.train_cmd('ddp_train_dual.py', a.gpus, data, a.cfg, a.batch_per_gpu, a.imgsz, 3, name, extra,
-                                 workers)
-            try:
-                runs[ablation] = self.measure(name, cmd, self.kit, a.lever_images, env=env, timeout=240)
-            except RuntimeError as e:  # keep measuring the others
-                runs[ablation] = {'error': str(e)}
-            self.record('levers', runs)
+    def scaling(self):
+        data, n, images = self.dataset('short'), self.n, self.size['short'].train
 
-    def parity_section(self):
-        a = self.args
-        data = self.dataset(a.images, a.val_images, a.parity_imgsz)
-        tiny = str(KIT / 'yolov9_ddp' / 'models' / 'tiny-dual.yaml')
-        runs = {}
-        for n in sorted({1, a.gpus}):
-            name = f'parity-{n}gpu'
-            cmd = self.train_cmd('ddp_train_dual.py', n, data, tiny, a.parity_batch // n, a.parity_imgsz,
-                                 a.parity_epochs, name)
-            result = subprocess.run(cmd, cwd=self.kit, env=self.env, capture_output=True, text=True, timeout=500)
-            (self.logs / f'{name}.log').write_text(result.stdout + result.stderr)
-            final = [line for line in (result.stdout + result.stderr).splitlines() if 'Final:' in line]
-            runs[name] = {'gpus': n, 'global_batch': a.parity_batch, 'epochs': a.parity_epochs,
-                          'returncode': result.returncode, 'final': final[-1] if final else None,
-                          'best_row': best_row(self.work / 'runs' / name / 'results.csv')}
-            self.record('parity', runs)
+        def kit(gpus):
+            return lambda i: self.train(f'kit-{gpus}gpu-s{i}', self.train_cmd(
+                self.kit, gpus, data, f'kit-{gpus}gpu-s{i}', extra=['--noval']), self.kit, images)
+        self.rounds({'kit-1gpu': kit(1), f'kit-{n}gpu': kit(n)}, {
+            f'scaling_{n}gpu': ('kit-1gpu', f'kit-{n}gpu', lambda a, b: ratio(b, a, 'img_per_s'),
+                                results.TARGETS['scaling_{n}gpu'])})
+
+    def step(self):
+        data, n, images = self.dataset('short'), self.n, self.size['short'].train
+        warmup, steps = self.size['steps']
+
+        def gpu_only(settings, tree):
+            def run(i):
+                name = f'step-{settings}-{n}gpu-{i}'
+                args = [KIT / 'bench' / 'gpu_step.py', '--settings', settings, '--warmup', warmup, '--steps', steps,
+                        *self.train_cmd(tree, n, data, name)[len(launcher(n)) + 1:]]
+                return self.job(name, args, n, tree)
+            return run
+        runs = {'kit': lambda i: self.train(f'kit-{n}gpu-l{i}', self.train_cmd(
+                    self.kit, n, data, f'kit-{n}gpu-l{i}', extra=['--noval']), self.kit, images),
+                'kit-gpu-only': gpu_only('kit', self.kit),
+                'upstream-gpu-only': gpu_only('upstream', self.upstream)}
+        self.rounds(runs, {
+            'in_loop_vs_gpu_only': ('kit', 'kit-gpu-only', lambda a, b: round(
+                a['in_loop_img_per_s'] / b['img_per_s'], 4), results.TARGETS['in_loop_vs_gpu_only']),
+            'gpu_only_vs_upstream_settings': ('upstream-gpu-only', 'kit-gpu-only',
+                                              lambda a, b: ratio(b, a, 'img_per_s'),
+                                              results.TARGETS['gpu_only_vs_upstream_settings'])})
+
+    def val_cache(self):
+        self.validation()
+        self.ram_cache_memory()
+
+    def validation(self):
+        """One job alternates the two ways itself; its pairs become the target's."""
+        n, data = self.n, self.dataset('main')
+        name = f'val-{n}gpu'
+        key = f'val_{n}gpu_vs_rank0'
+        series = {'call': self.args.call, 'a': 'rank-0 validation', 'b': f'distributed validation on {n}',
+                  'ratio_is': results.TARGETS['val_{n}gpu_vs_rank0'], 'pairs': []}
+        try:
+            job = self.job(name, [KIT / 'bench' / 'val_time.py', '--pairs', self.args.pairs,
+                                  *self.train_cmd(self.kit, n, data, name)[len(launcher(n)) + 1:]], n, self.kit)
+            series['job'] = {k: v for k, v in job.items() if k != 'pairs'}
+            series['pairs'] = [{'a': {'seconds': p['rank0_s'], 'metrics': p['rank0_metrics']},
+                                'b': {'seconds': p['distributed_s'], 'metrics': p['distributed_metrics']},
+                                'metrics_identical': p['max_metric_difference'] <= 1e-6,
+                                'ratio': round(p['distributed_s'] / p['rank0_s'], 4)} for p in job['pairs']]
+        except RunFailed as e:
+            series['error'] = str(e)
+        self.record['pairs'][key] = results.summarise(series)
+        self.save()
+
+    def ram_cache_memory(self):
+        data, n, images = self.dataset('memory'), self.n, self.size['memory'].train
+
+        def cached(gpus):
+            return lambda i: self.train(f'cache-{gpus}gpu-{i}', self.train_cmd(
+                self.kit, gpus, data, f'cache-{gpus}gpu-{i}', extra=['--noval', '--cache', 'ram']), self.kit, images,
+                rows=1, memory_at_row=1)
+        self.rounds({'1 rank': cached(1), f'{n} ranks': cached(n)}, {
+            f'ram_cache_{n}ranks_vs_1rank': ('1 rank', f'{n} ranks', lambda a, b: round(
+                b['cache_memory']['resident_bytes'] / a['cache_memory']['resident_bytes'], 4),
+                results.TARGETS['ram_cache_{n}ranks_vs_1rank'])})
+
+    def parity(self):
+        n, data, size = self.n, self.dataset('parity'), self.size
+
+        def trained(gpus, levers=None):
+            def run(i):
+                name = f'parity-{gpus}gpu{"-upstream-numerics" if levers else ""}-seed{i}'
+                return self.train_to_the_end(name, self.train_cmd(
+                    self.kit, gpus, data, name, epochs=size['parity_epochs'], cfg=TINY_CFG, imgsz=size['parity_imgsz'],
+                    batch=size['parity_batch'], seed=i,
+                    extra=['--noval', *(['--levers', levers] if levers else [])]), self.kit)
+            return run
+        points = lambda a, b: round(abs(a['map50_95'] - b['map50_95']) * 100, 3)  # noqa: E731
+        self.rounds({'1 GPU': trained(1), f'{n} GPUs': trained(n), f'{n} GPUs, upstream numerics':
+                     trained(n, UPSTREAM_NUMERICS)}, {
+            f'{results.PARITY}/gpus': ('1 GPU', f'{n} GPUs', points, 'mAP50-95 points apart: 1 GPU against N GPUs, '
+                                       'same global batch, epochs and seed'),
+            f'{results.PARITY}/numerics': (f'{n} GPUs, upstream numerics', f'{n} GPUs', points,
+                                           "mAP50-95 points apart: the kit's defaults against upstream's numerics "
+                                           f'(--levers {UPSTREAM_NUMERICS}), same seed')})
+
+    def cache_speed(self):
+        data, n, images = self.dataset('main'), self.n, self.size['main'].train
+
+        def run(cache):
+            return lambda i: self.train(f'kit-{n}gpu-{cache}-{i}', self.train_cmd(
+                self.kit, n, data, f'kit-{n}gpu-{cache}-{i}', extra=['--noval', *(['--cache', 'ram'] if cache ==
+                                                                                   'ram' else [])]), self.kit, images)
+        self.rounds({'no cache': run('nocache'), '--cache ram': run('ram')}, {
+            f'ram_cache_speedup_{n}gpu': ('no cache', '--cache ram', lambda a, b: ratio(b, a, 'img_per_s'),
+                                          'kit img/s with --cache ram / without, N GPUs (second epoch)')})
+
+    def entry_points(self):
+        """Each kit entry point trains a whole short run on N GPUs (NCCL) with an upstream model of its kind, on its
+        task's demo data (boxes; polygons for segmentation): the in-loop img/s of its last epoch, its final metrics."""
+        n, size = self.n, self.size['entry']
+        record = self.record.setdefault('entry_points', {})
+        for name, task in TASKS.items():
+            if self.elapsed() > self.deadline:
+                record[name] = {'error': 'not run: the call reached its deadline'}
+                continue
+            spec = DemoSpec(train=size['train'], val=size['val'], imgsz=size['imgsz'],
+                            labels='polygons' if task.masks else 'boxes')
+            data = ensure_demo_dataset(self.work / f'entry-data-{spec.labels}', spec)
+            cfg = ENTRY_POINT_CFGS[name] if self.cuda else str(KIT / 'yolov9_ddp' / 'models' / task.demo_cfg)
+            cmd = self.train_cmd(self.kit, n, data, f'entry-{name}', epochs=size['epochs'], cfg=cfg,
+                                 imgsz=size['imgsz'], batch=size['batch_per_gpu'] * n)
+            cmd[len(launcher(n))] = task.script
+            record[name] = self.whole_run(f'entry-{name}', cmd, self.kit)
+            self.save()
+
+    def whole_run(self, name, cmd, tree) -> dict:
+        """A run to its end: its exit status, seconds, last in-loop img/s and final metrics (or the log's end)."""
+        log_path = self.logs / f'{name}.log'
+        started = time.monotonic()
+        with open(log_path, 'w') as log:
+            proc = subprocess.Popen(cmd, cwd=tree, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        try:
+            proc.wait(timeout=self.size['run_timeout_s'])
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            stop(proc, self.cuda)
+        text = log_path.read_text(errors='replace')
+        loop, final = IN_LOOP.findall(text), FINAL_LINE.findall(text)
+        figures = {'exit': proc.returncode, 'seconds': round(time.monotonic() - started), 'command': ' '.join(cmd)}
+        if loop:
+            figures['in_loop_img_per_s'] = float(loop[-1][3])
+        if final and proc.returncode == 0:
+            figures['final'] = final[-1]
+        else:
+            figures['error'] = log_tail(log_path)
+        print(f'   {name}: {json.dumps({k: v for k, v in figures.items() if k not in ("command", "error")})}',
+              flush=True)
+        return figures
+
+    def lever(self):
+        data, n, images, lever = self.dataset('lever'), self.n, self.size['lever'].train, self.args.lever
+
+        def run(extra, tag):
+            return lambda i: self.train(f'lever-{tag}-{i}', self.train_cmd(
+                self.kit, n, data, f'lever-{tag}-{i}', extra=['--noval', *extra]), self.kit, images)
+        self.rounds({'defaults': run([], 'defaults'), lever: run(['--levers', lever], lever.replace('=', '-'))}, {
+            f'lever {lever}': ('defaults', lever, lambda a, b: ratio(b, a, 'img_per_s'),
+                               f'kit img/s with --levers {lever} / with the defaults, N GPUs (second epoch)')})
 
 
-class MemorySampler:
+CALLS = {'per-gpu': Bench.per_gpu, 'scaling': Bench.scaling, 'step': Bench.step, 'val-cache': Bench.val_cache,
+         'parity': Bench.parity, 'cache-speed': Bench.cache_speed, 'lever': Bench.lever,
+         'entry-points': Bench.entry_points}
+
+
+def ratio(numerator: dict, denominator: dict, figure: str) -> float:
+    return round(numerator[figure] / denominator[figure], 4)
+
+
+def launcher(gpus: int) -> list:
+    return [sys.executable] if gpus == 1 else \
+        [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', str(gpus)]
+
+
+def machine(cuda: bool) -> dict:
+    import torch
+    info = {'python': platform.python_version(), 'torch': torch.__version__, 'cpus': os.cpu_count(),
+            'host': platform.node()}
+    if cuda:
+        info['gpus'] = subprocess.run(['nvidia-smi', '-L'], capture_output=True, text=True).stdout.strip().splitlines()
+    return info
+
+
+class GpuMemory:
     """Peak memory.used per GPU, from nvidia-smi every 0.2 s."""
 
     def __init__(self):
@@ -220,7 +476,7 @@ class MemorySampler:
 
 def log_tail(path: Path) -> str:
     text = path.read_text(errors='replace').replace('\r', '\n') if path.exists() else ''
-    return '\n'.join(line for line in text.splitlines() if line.strip() and '%|' not in line)[-4000:]
+    return '\n'.join(line for line in text.splitlines() if line.strip() and '%|' not in line)[-3000:]
 
 
 def count_rows(path: Path) -> int:
@@ -231,53 +487,61 @@ def count_rows(path: Path) -> int:
 
 
 def best_row(path: Path):
-    with open(path) as f:
-        rows = [{k.strip(): v.strip() for k, v in row.items()} for row in csv.DictReader(f)]
+    try:
+        with open(path) as f:
+            rows = [{k.strip(): v.strip() for k, v in row.items()} for row in csv.DictReader(f)]
+    except FileNotFoundError:
+        return None
     return max(rows, key=lambda r: float(r['metrics/mAP_0.5:0.95'])) if rows else None
 
 
-def stop(proc, marker):
-    """Stop a run: SIGTERM to the launcher (torchrun passes it on), then SIGKILL whatever still carries the marker."""
+def stop(proc, cuda: bool):
+    """End a run and every process it started: SIGTERM to the launcher (torchrun passes it on to the ranks, which
+    stop their loader workers), then SIGKILL to whatever of them is left. torchrun starts each rank in a process
+    group of its own, so they are found as the launcher's descendants, before it goes."""
+    family = imagecache.descendants(proc.pid) if proc.poll() is None else []
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=20)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            proc.kill()
-    subprocess.run(['pkill', '-9', '-f', marker], capture_output=True)
-    time.sleep(2)  # let the GPUs' memory drain before the next run
+            pass
+    for pid in family:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    if cuda:
+        time.sleep(2)  # let the GPUs' memory drain before the next run
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument('--trees', default=str(KIT / '.bench'))
-    p.add_argument('--out', required=True)
-    p.add_argument('--work', default='/tmp/yolov9-ddp-bench')
-    p.add_argument('--sections', default='main,ceiling,val,levers,parity')
-    p.add_argument('--gpus', type=int, default=2)
-    p.add_argument('--device', default='cuda', help="'cpu' only to smoke-test the harness")
-    p.add_argument('--cfg', default='models/detect/yolov9-s.yaml')
-    p.add_argument('--images', type=int, default=4096)
-    p.add_argument('--val-images', type=int, default=1000)
-    p.add_argument('--lever-images', type=int, default=1024)
-    p.add_argument('--data-imgsz', type=int, default=640)
-    p.add_argument('--imgsz', type=int, default=640)
-    p.add_argument('--batch-per-gpu', type=int, default=32)
-    p.add_argument('--workers', type=int, default=8, help="upstream's loader workers per process (FINDINGS.md)")
-    p.add_argument('--parity-imgsz', type=int, default=256)
-    p.add_argument('--parity-batch', type=int, default=64)
-    p.add_argument('--parity-epochs', type=int, default=6)
+    p.add_argument('call', choices=CALLS)
+    p.add_argument('--out', required=True, help='OUT/results.json gets the pairs and targets')
+    p.add_argument('--gpus', type=int, default=None, help='default: every GPU (2 processes in a dry run)')
+    p.add_argument('--pairs', type=int, default=results.MIN_PAIRS)
+    p.add_argument('--deadline-s', type=float, default=None, help='start no round that would end after this')
+    p.add_argument('--dry-run', action='store_true', help='CPUs and gloo, tiny sizes: proves the harness')
+    p.add_argument('--lever', default='channels_last=1', help="the 'lever' call's --levers")
+    p.add_argument('--dataset', choices=('photo', 'demo'), default='photo',
+                   help="photo: bench/photo_data.py's photographs (needs scikit-image); demo: the kit's flat shapes")
+    p.add_argument('--work', default='/tmp/yolov9-ddp-bench', help='trees, datasets, runs, logs')
+    p.add_argument('--carry', default=str(KIT / '.bench'), help="bench/prepare_trees.py's packed folder")
     args = p.parse_args()
+    if args.gpus is None:
+        import torch
+        args.gpus = 2 if args.dry_run else torch.cuda.device_count()
+    if not args.dry_run and args.gpus < 1:
+        raise SystemExit('run_bench.py: no GPU here; use --dry-run on CPUs')
+    if args.dataset == 'photo':
+        photo_data.photo_sources()  # scikit-image is there, before anything starts
     bench = Bench(args)
-    sections = {'main': bench.main_section, 'ceiling': bench.ceiling_section, 'val': bench.val_section,
-                'levers': bench.levers_section, 'parity': bench.parity_section}
-    bench.results.setdefault('runs', []).append({'sections': args.sections, 'started': time.strftime('%F %T'),
-                                                 'command': ' '.join(sys.argv)})
-    for section in args.sections.split(','):
-        try:
-            sections[section]()
-        except Exception as e:  # keep the other sections' figures
-            bench.record(f'{section}_error', repr(e))
+    bench.save()
+    CALLS[args.call](bench)
+    bench.save()
+    print(json.dumps(bench.record['targets'], indent=1))
 
 
 if __name__ == '__main__':

@@ -1,9 +1,17 @@
-"""The performance levers that change how the math is done must not change the math."""
+"""The performance levers: the ones that change how the math is done must not change the math, and a run's levers
+are an option recorded with it (opt.yaml, checkpoints) that a resume keeps."""
+import shutil
+from argparse import Namespace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
+import yaml
 
-from yolov9_ddp.levers import fused_optimizer, parse_overrides
+from testsupport import faults
+from yolov9_ddp import checkpoint
+from yolov9_ddp.levers import (Levers, describe, fused_optimizer, levers_for, parse_levers, record_levers,
+                               requested_levers, resumed_levers)
 
 
 def sgd_groups(params):
@@ -69,9 +77,100 @@ def test_ema_multi_tensor_update_equals_upstreams(validated_between):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
 
 
-def test_lever_overrides_are_parsed_and_checked():
-    assert parse_overrides('pin_memory=0, progress_every=5') == {'pin_memory': False, 'progress_every': 5}
+def test_lever_flags_are_parsed_and_checked():
+    assert parse_levers('pin_memory=0, progress_every=5') == {'pin_memory': False, 'progress_every': 5}
     with pytest.raises(ValueError, match='unknown lever'):
-        parse_overrides('turbo=1')
+        parse_levers('turbo=1')
     with pytest.raises(ValueError, match='takes 0 or 1'):
-        parse_overrides('pin_memory=yes')
+        parse_levers('pin_memory=yes')
+    with pytest.raises(ValueError, match='whole number >= 1'):
+        parse_levers('progress_every=0')
+
+
+def options(levers=None, channels_last=False, compile=False) -> Namespace:
+    return Namespace(levers=levers, channels_last=channels_last, compile=compile)
+
+
+def test_channels_last_is_short_for_the_lever_which_wins():
+    assert levers_for(options(channels_last=True)) == replace(Levers(), channels_last=True)
+    assert levers_for(options('channels_last=0', channels_last=True)).channels_last is False
+
+
+@pytest.mark.parametrize('asked', [options(compile=True), options('compile=1')])
+def test_compile_was_measured_not_to_pay_and_is_refused_with_why(asked):
+    with pytest.raises(ValueError, match=r'compile: torch.compile does not pay .*\(bench/RESULTS.md\)'):
+        levers_for(asked)
+
+
+def test_a_run_that_recorded_compile_resumes_without_it_and_says_so():
+    said = []
+    resumed = resumed_levers({'levers': 'compile=1,pin_memory=0', 'compile': True}, {}, said.append)
+    assert parse_levers(resumed) == asdict(replace(Levers(), pin_memory=False))
+    assert said == ["the run recorded the lever 'compile', which this kit does not have: ignored"]
+
+
+def test_a_run_records_every_lever_in_its_options():
+    opt = options('cudnn_benchmark=0,progress_every=3')
+    levers = record_levers(opt)
+    assert levers == replace(Levers(), cudnn_benchmark=False, progress_every=3)
+    assert parse_levers(opt.levers) == asdict(levers), 'the record names every lever, not only the changed ones'
+    assert levers_for(opt) == levers
+
+
+def test_a_resume_keeps_the_recorded_levers_and_changes_only_those_given():
+    recorded = {'levers': describe(replace(Levers(), foreach_ema=False, progress_every=3)), 'channels_last': False}
+    said = []
+    assert resumed_levers(recorded, {}, said.append) == recorded['levers'] and said == []
+    resumed = resumed_levers(recorded, requested_levers(options('progress_every=5', channels_last=True)), said.append)
+    assert parse_levers(resumed) == asdict(replace(Levers(), foreach_ema=False, progress_every=5, channels_last=True))
+    assert said == ['levers changed on resume: progress_every 3 -> 5, channels_last 0 -> 1']
+
+
+def test_a_resume_of_a_run_from_before_recorded_levers_keeps_its_flags():
+    said = []
+    resumed = resumed_levers({'channels_last': True, 'compile': False}, {}, said.append)
+    assert parse_levers(resumed) == asdict(replace(Levers(), channels_last=True)) and said == []
+
+
+def test_a_recorded_lever_this_kit_no_longer_has_is_ignored_with_a_warning():
+    said = []
+    resumed = resumed_levers({'levers': 'warp_drive=1,pin_memory=0'}, {}, said.append)
+    assert parse_levers(resumed) == asdict(replace(Levers(), pin_memory=False))
+    assert said == ["the run recorded the lever 'warp_drive', which this kit does not have: ignored"]
+
+
+# -- recorded with a real run, kept by its resume ---------------------------------------------------------------
+
+RUN_LEVERS = 'progress_every=3,foreach_ema=0'
+RECORDED = describe(replace(Levers(), progress_every=3, foreach_ema=False))
+
+
+@pytest.fixture(scope='module')
+def interrupted_with_levers(patched_tree, demo_data, tmp_path_factory):
+    """A 2-process run started with --levers, killed at the start of its last epoch."""
+    return faults.interrupted_run(patched_tree, demo_data, tmp_path_factory.mktemp('levers'),
+                                  extra=('--levers', RUN_LEVERS))
+
+
+def recorded_levers(run_dir) -> tuple:
+    """The levers in the run's opt.yaml and in its last.pt."""
+    saved = yaml.safe_load((run_dir / 'opt.yaml').read_text())['levers']
+    return saved, checkpoint.load_checkpoint(run_dir / 'weights' / 'last.pt')['opt']['levers']
+
+
+@pytest.mark.usefixtures('upstream_importable')
+@pytest.mark.parametrize('given, expected, change', [
+    ((), RECORDED, None),
+    (('--levers', 'progress_every=5', '--channels-last'),
+     describe(replace(Levers(), progress_every=5, foreach_ema=False, channels_last=True)),
+     'levers changed on resume: progress_every 3 -> 5, channels_last 0 -> 1')])
+def test_a_resume_trains_with_the_runs_levers_unless_given_again(patched_tree, interrupted_with_levers, tmp_path,
+                                                                  given, expected, change):
+    assert recorded_levers(interrupted_with_levers) == (RECORDED, RECORDED)
+    run_dir = shutil.copytree(interrupted_with_levers, tmp_path / 'runs' / 'exp')
+    job = faults.start_job(faults.faulty_single(['--resume', run_dir / 'weights' / 'last.pt', '--device', 'cpu',
+                                                 '--workers', 0, *given]), patched_tree, tmp_path, 'resumed')
+    assert job.wait(300) == 0, job.output()[-3000:]
+    assert recorded_levers(run_dir) == (expected, expected)
+    changes = [line for line in job.output().splitlines() if 'levers changed' in line]
+    assert changes == ([] if change is None else [change]), changes

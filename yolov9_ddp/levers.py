@@ -1,12 +1,16 @@
-"""Performance levers of the training loop, measured on 2 x H200 by bench/run_bench.py (bench/RESULTS.md).
+"""Performance levers of the training loop, measured on 2 x H200 by bench/ (bench/RESULTS.md).
 
-The defaults are the settings of the kit's measured runs: cudnn autotuning instead of upstream's deterministic
-algorithms (faster in both lever runs), the fused SGD, and the levers that only move data or launch fewer
-kernels. --channels-last and --compile are command-line flags; every lever can also be set through
-YOLOV9_DDP_LEVERS="name=value,..." (used by bench/run_bench.py to switch one lever at a time and measure what
-it is worth).
+The defaults below are the settings of the kit's measured runs: cudnn autotuning instead of upstream's
+deterministic algorithms, the fused SGD, and the levers that only move data or launch fewer kernels.
+
+A run's levers are one of its options: `--levers name=value,...` sets any of them, `--channels-last` is short for
+`--levers channels_last=1`. The complete set a run trains with is written into its opt.yaml and checkpoints as
+`levers`, so a resume trains with the levers the run started with; a resume that gives --levers (or
+--channels-last) again changes the levers it names, and logs the change.
+
+A lever that does not pay is removed, not kept: torch.compile (--compile) is refused with the measurement that
+removed it (REMOVED).
 """
-import os
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -24,29 +28,73 @@ class Levers:
     progress_every: int = 10  # steps between progress-bar updates (formatting the losses syncs with the GPU)
     cudnn_benchmark: bool = True  # autotuned convolutions instead of upstream's deterministic algorithms
     channels_last: bool = False  # NHWC tensors for the convolutions (--channels-last)
-    compile: bool = False  # torch.compile the model (--compile)
 
 
-def parse_overrides(text: str) -> dict:
-    """'name=value,...' -> {name: typed value}; an unknown name or a bad value raises ValueError."""
+REMOVED = {'compile': 'torch.compile does not pay for YOLOv9 training: yolov9-s had not finished compiling its first '
+                      'epoch after 5 minutes on an H200, and on a CPU its first epoch took 623 s instead of 13 s and '
+                      'the next ones longer than without it (bench/RESULTS.md); train without it'}
+
+
+def parse_levers(text: str, known_only=True, warn=print) -> dict:
+    """'name=value,...' -> {name: typed value}; a bad value raises ValueError, and so does an unknown name unless
+    known_only is False (the levers a run recorded under another kit version: unknown ones are warned about)."""
     known = {f.name: f.type for f in fields(Levers)}
     overrides = {}
     for item in filter(None, (part.strip() for part in text.split(','))):
         name, _, value = item.partition('=')
+        if name in REMOVED and known_only:
+            raise ValueError(f'--levers {name}: {REMOVED[name]}')
         if name not in known:
-            raise ValueError(f'YOLOV9_DDP_LEVERS: unknown lever {name!r} (known: {", ".join(known)})')
+            if known_only:
+                raise ValueError(f'--levers: unknown lever {name!r} (known: {", ".join(known)})')
+            warn(f'the run recorded the lever {name!r}, which this kit does not have: ignored')
+            continue
         if known[name] in (bool, 'bool'):
             if value not in ('0', '1'):
-                raise ValueError(f'YOLOV9_DDP_LEVERS: {name} takes 0 or 1, not {value!r}')
+                raise ValueError(f'--levers: {name} takes 0 or 1, not {value!r}')
             overrides[name] = value == '1'
         else:
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f'--levers: {name} takes a whole number >= 1, not {value!r}')
             overrides[name] = int(value)
     return overrides
 
 
+def requested_levers(options, known_only=True, warn=print) -> dict:
+    """The levers a set of options asks for (the command line's, or a run's recorded ones): --channels-last, then
+    --levers, which wins."""
+    options = options if isinstance(options, dict) else vars(options)
+    if options.get('compile') and known_only:
+        raise ValueError(f'--compile: {REMOVED["compile"]}')
+    flags = {'channels_last': True} if options.get('channels_last') else {}
+    return {**flags, **parse_levers(options.get('levers') or '', known_only, warn)}
+
+
 def levers_for(opt) -> Levers:
-    levers = replace(Levers(), channels_last=opt.channels_last, compile=opt.compile)
-    return replace(levers, **parse_overrides(os.environ.get('YOLOV9_DDP_LEVERS', '')))
+    return replace(Levers(), **requested_levers(opt))
+
+
+def describe(levers: Levers) -> str:
+    """Every lever as 'name=value,...' (what --levers takes): a run records the complete set it trains with."""
+    return ','.join(f'{f.name}={int(getattr(levers, f.name))}' for f in fields(Levers))
+
+
+def record_levers(opt) -> Levers:
+    """The run's levers, written into opt as their complete description (so into opt.yaml and the checkpoints)."""
+    levers = levers_for(opt)
+    opt.levers = describe(levers)
+    return levers
+
+
+def resumed_levers(recorded_options: dict, given: dict, log=print) -> str:
+    """The levers of a resumed run: the ones it recorded, changed where this launch's flags (given) name others."""
+    recorded = replace(Levers(), **requested_levers(recorded_options, known_only=False, warn=log))
+    resumed = replace(recorded, **given)
+    changes = [f'{f.name} {int(getattr(recorded, f.name))} -> {int(getattr(resumed, f.name))}'
+               for f in fields(Levers) if getattr(recorded, f.name) != getattr(resumed, f.name)]
+    if changes:
+        log(f'levers changed on resume: {", ".join(changes)}')
+    return describe(resumed)
 
 
 def fused_optimizer(optimizer):

@@ -1,0 +1,66 @@
+"""bench/: the targets are medians of alternating pairs (bench/results.py), a dry run never lands among the GPU
+figures, and a call of the harness (bench/run_bench.py) runs end to end on CPUs and records every target key."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from bench import results
+from testsupport.trees import KIT, cache_dir, describe
+
+REQUIRED = ['per_gpu_vs_upstream_2gpu', 'scaling_2gpu', 'in_loop_vs_gpu_only', 'gpu_only_vs_upstream_settings',
+            'val_2gpu_vs_rank0', 'parity_map50_95_points', 'ram_cache_2ranks_vs_1rank']  # issue 15's keys
+
+
+def series(*ratios) -> dict:
+    return results.summarise({'pairs': [{'a': {}, 'b': {}, 'ratio': r} for r in ratios]})
+
+
+def test_the_target_keys_for_2_gpus_are_the_issues_and_follow_the_gpu_count():
+    assert results.target_keys(2) == REQUIRED
+    assert 'scaling_4gpu' in results.target_keys(4) and 'ram_cache_4ranks_vs_1rank' in results.target_keys(4)
+
+
+def test_a_target_is_the_median_of_its_pairs_and_parity_the_larger_of_its_two():
+    pairs = {'scaling_2gpu': series(1.9, 2.0, 1.5), 'parity_map50_95_points/gpus': series(0.1, 0.3, 0.2),
+             'parity_map50_95_points/numerics': series(0.4, 0.6, 0.5, None)}
+    targets = results.targets_from(pairs, 2)
+    assert list(targets) == REQUIRED
+    assert targets['scaling_2gpu'] == 1.9 and targets['parity_map50_95_points'] == 0.5
+    assert targets['per_gpu_vs_upstream_2gpu'] is None
+    assert pairs['scaling_2gpu']['complete'] and pairs['scaling_2gpu']['spread'] == [1.5, 2.0]
+    assert not series(1.0, None, 2.0)['complete'], 'a failed pair does not count'
+
+
+def call(mode, **pairs) -> dict:
+    return {'mode': mode, 'gpus': 2, 'machine': {}, 'calls': [{'call': 'x'}], 'pairs': pairs}
+
+
+def test_a_dry_run_never_lands_among_the_gpu_figures():
+    merged = results.merge(call('gpu', scaling_2gpu=series(1.9, 1.95, 2.0)), {})
+    merged = results.merge(call('dry-run (CPU, gloo)', scaling_2gpu=series(0.5, 0.5, 0.5)), merged)
+    assert merged['targets']['scaling_2gpu'] == 1.95 and merged['pairs']['scaling_2gpu']['median'] == 1.95
+    assert merged['dry_run']['targets']['scaling_2gpu'] == 0.5 and 'measure nothing' in merged['dry_run']['note']
+
+
+@pytest.mark.timeout(900)
+def test_a_dry_run_call_runs_end_to_end_and_records_every_target_key(pinned_upstream, tmp_path, offline_env):
+    """val-cache on 2 CPU processes, one round: the trees built from wheels, a dataset, a validation job and two
+    training runs with --cache ram whose memory is read from /proc."""
+    carry = tmp_path / 'carry'
+    shutil.copytree(cache_dir() / 'wheels', carry / 'upstream-wheels')  # what prepare_trees.py pack would carry
+    cmd = [sys.executable, KIT / 'bench' / 'run_bench.py', 'val-cache', '--dry-run', '--dataset', 'demo',
+           '--pairs', 1, '--out', tmp_path / 'out', '--work', tmp_path / 'work', '--carry', carry]
+    result = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=800, env=offline_env)
+    assert result.returncode == 0, describe(result)
+    record = json.loads((tmp_path / 'out' / 'results.json').read_text())
+    assert record['mode'].startswith('dry-run') and list(record['targets']) == REQUIRED
+    assert record['targets']['ram_cache_2ranks_vs_1rank'] == 1.0
+    assert record['targets']['val_2gpu_vs_rank0'] > 0
+    validation = record['pairs']['val_2gpu_vs_rank0']
+    assert len(validation['pairs']) == 1 and validation['pairs'][0]['metrics_identical']
+    memory = record['pairs']['ram_cache_2ranks_vs_1rank']
+    assert not memory['complete'], 'one pair is not the three a target needs'
+    assert [p['cache_memory']['cache_files'] for p in (memory['pairs'][0]['a'], memory['pairs'][0]['b'])] == [1, 1]
