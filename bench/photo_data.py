@@ -16,17 +16,18 @@ imports without it, and its geometry (compose) works on any arrays.
 """
 import argparse
 import functools
-import json
 import multiprocessing
 import os
-import shutil
-import tempfile
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import cv2
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the kit, when run as a script
+from yolov9_ddp.demo_data import generated_dataset  # noqa: E402
 
 OBJECTS = {  # class: (skimage.data sample, crop x0, y0, x1, y1 in its pixels)
     'cat': ('chelsea', 80, 30, 380, 285),
@@ -186,26 +187,14 @@ def write_split(root: Path, spec: PhotoSpec, split: str, count: int, processes: 
 
 def ensure_photo_dataset(root, spec=PhotoSpec(), log=print, processes=1) -> Path:
     """Return root/data.yaml, generating the dataset first unless root already holds this spec."""
-    root = Path(root).resolve()
-    spec_file = root / SPEC_FILE
-    if spec_file.is_file() and json.loads(spec_file.read_text()) == asdict(spec):
-        return root / 'data.yaml'
-    if root.exists() and any(root.iterdir()) and not spec_file.is_file():
-        raise FileExistsError(f'{root} exists and is not a photo dataset; choose another folder')
-    log(f'generating a photo dataset in {root}: {spec}')
-    root.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f'.{root.name}.', dir=root.parent))
-    try:
+    def write(folder: Path):
+        log(f'generating a photo dataset in {root}: {spec}')
         for split, count in (('train', spec.train), ('val', spec.val)):
-            write_split(work, spec, split, count, processes)
+            write_split(folder, spec, split, count, processes)
         names = ''.join(f'  {i}: {name}\n' for i, name in enumerate(OBJECTS))
-        (work / 'data.yaml').write_text(f'path: {root}\ntrain: images/train\nval: images/val\nnames:\n{names}')
-        (work / SPEC_FILE).write_text(json.dumps(asdict(spec), sort_keys=True))
-        shutil.rmtree(root, ignore_errors=True)
-        os.replace(work, root)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return root / 'data.yaml'
+        (folder / 'data.yaml').write_text(f'path: {Path(root).resolve()}\ntrain: images/train\nval: images/val\n'
+                                          f'names:\n{names}')
+    return generated_dataset(root, spec, SPEC_FILE, 'a photo dataset', write)
 
 
 def main(argv=None):

@@ -171,17 +171,35 @@ class Bench:
                 '--noplots', *extra]
         return [str(x) for x in [*launcher(gpus), 'train_dual.py' if upstream else 'ddp_train_dual.py', *args]]
 
+    def launch(self, name, cmd, tree):
+        """(process, log path): cmd started in tree, in a session of its own, its output going to logs/NAME.log."""
+        log_path = self.logs / f'{name}.log'
+        with open(log_path, 'w') as log:
+            proc = subprocess.Popen(cmd, cwd=tree, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        return proc, log_path
+
+    def run_to_end(self, name, cmd, tree, timeout_fails=True):
+        """(process, log path) of cmd run to its end; stopped after run_timeout_s, which is a RunFailed unless
+        timeout_fails is False (then the caller reads what the log holds)."""
+        proc, log_path = self.launch(name, cmd, tree)
+        try:
+            proc.wait(timeout=self.size['run_timeout_s'])
+        except subprocess.TimeoutExpired:
+            if timeout_fails:
+                raise RunFailed(f'{name} timed out: {log_tail(log_path)}') from None
+        finally:
+            stop(proc, self.cuda)
+        return proc, log_path
+
     def train(self, name, cmd, tree, images, rows=2, memory_at_row=None) -> dict:
         """Run until results.csv has `rows` rows; img/s of the last epoch, the kit's in-loop figures, peak GPU
         memory, and (memory_at_row) the node's memory for the image cache when that row lands."""
         csv_path = self.work / 'runs' / name / 'results.csv'
         csv_path.unlink(missing_ok=True)
-        log_path = self.logs / f'{name}.log'
         sampler = GpuMemory() if self.cuda else None
         started, stamps, cache = time.monotonic(), [], None
-        with open(log_path, 'w') as log:
-            proc = subprocess.Popen(cmd, cwd=tree, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+        proc, log_path = self.launch(name, cmd, tree)
         try:
             while len(stamps) < rows:
                 new = count_rows(csv_path) - len(stamps)
@@ -216,17 +234,8 @@ class Bench:
 
     def train_to_the_end(self, name, cmd, tree) -> dict:
         """A whole training run (parity): its final mAP50-95, best.pt validated again at the end."""
-        log_path = self.logs / f'{name}.log'
         started = time.monotonic()
-        with open(log_path, 'w') as log:
-            proc = subprocess.Popen(cmd, cwd=tree, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        try:
-            proc.wait(timeout=self.size['run_timeout_s'])
-        except subprocess.TimeoutExpired:
-            raise RunFailed(f'{name} timed out: {log_tail(log_path)}') from None
-        finally:
-            stop(proc, self.cuda)
+        proc, log_path = self.run_to_end(name, cmd, tree)
         final = FINAL_MAP.findall(log_path.read_text(errors='replace'))
         if proc.returncode or not final:
             raise RunFailed(f'{name} exited with {proc.returncode}: {log_tail(log_path)}')
@@ -236,18 +245,10 @@ class Bench:
 
     def job(self, name, script_args, gpus, tree) -> dict:
         """A bench script (gpu_step.py, val_time.py) run in tree on gpus processes; its JSON."""
-        out, log_path = self.logs / f'{name}.json', self.logs / f'{name}.log'
+        out = self.logs / f'{name}.json'
         out.unlink(missing_ok=True)
         cmd = [str(x) for x in [*launcher(gpus), *script_args[:1], out, *script_args[1:]]]
-        with open(log_path, 'w') as log:
-            proc = subprocess.Popen(cmd, cwd=tree, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        try:
-            proc.wait(timeout=self.size['run_timeout_s'])
-        except subprocess.TimeoutExpired:
-            raise RunFailed(f'{name} timed out: {log_tail(log_path)}') from None
-        finally:
-            stop(proc, self.cuda)
+        proc, log_path = self.run_to_end(name, cmd, tree)
         if proc.returncode or not out.exists():
             raise RunFailed(f'{name} exited with {proc.returncode}: {log_tail(log_path)}')
         figures = {**json.loads(out.read_text()), 'command': ' '.join(cmd)}
@@ -395,17 +396,8 @@ class Bench:
 
     def whole_run(self, name, cmd, tree) -> dict:
         """A run to its end: its exit status, seconds, last in-loop img/s and final metrics (or the log's end)."""
-        log_path = self.logs / f'{name}.log'
         started = time.monotonic()
-        with open(log_path, 'w') as log:
-            proc = subprocess.Popen(cmd, cwd=tree, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        try:
-            proc.wait(timeout=self.size['run_timeout_s'])
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            stop(proc, self.cuda)
+        proc, log_path = self.run_to_end(name, cmd, tree, timeout_fails=False)
         text = log_path.read_text(errors='replace')
         loop, final = IN_LOOP.findall(text), FINAL_LINE.findall(text)
         figures = {'exit': proc.returncode, 'seconds': round(time.monotonic() - started), 'command': ' '.join(cmd)}

@@ -8,6 +8,7 @@ import yaml
 
 from bench import photo_data
 from bench.photo_data import MAX_OVERLAP, OBJECTS, SIZES, PhotoSpec, Sources, compose, covered_share, paste_objects
+from yolov9_ddp.demo_data import generated_dataset
 
 CLASS_COLOURS = [(200, 0, 0), (0, 200, 0), (0, 0, 200), (200, 200, 0), (0, 200, 200)]  # told apart by their zeros
 
@@ -84,3 +85,28 @@ def test_the_writer_works_where_upstream_replaced_cv2_imwrite(tmp_path, monkeypa
     monkeypatch.setattr(photo_data, 'photo_sources', synthetic_sources)
     data_yaml = photo_data.ensure_photo_dataset(tmp_path / 'photos', PhotoSpec(train=2, val=1), log=lambda msg: None)
     assert cv2.imdecode(np.fromfile(data_yaml.parent / 'images' / 'val' / 'val_000000.jpg', np.uint8), 1) is not None
+
+
+def test_a_generated_dataset_replaces_its_folder_whole_or_not_at_all(tmp_path):
+    """yolov9_ddp.demo_data.generated_dataset, which both generators use: a foreign folder is refused, a writer that
+    fails leaves the previous dataset as it was, and another spec replaces it whole."""
+    root, old, new = tmp_path / 'data', PhotoSpec(train=1, val=1), PhotoSpec(train=2, val=1)
+
+    def writer(marker):
+        return lambda folder: (folder / 'data.yaml').write_text(marker)
+
+    (tmp_path / 'foreign').mkdir()
+    (tmp_path / 'foreign' / 'x.txt').write_text('mine')
+    with pytest.raises(FileExistsError, match='is not a photo dataset'):
+        generated_dataset(tmp_path / 'foreign', old, 'spec.json', 'a photo dataset', writer('old'))
+    assert generated_dataset(root, old, 'spec.json', 'a photo dataset', writer('old')).read_text() == 'old'
+
+    def failing(folder):
+        (folder / 'data.yaml').write_text('half')
+        raise OSError('disk full')
+    with pytest.raises(OSError):
+        generated_dataset(root, new, 'spec.json', 'a photo dataset', failing)
+    assert (root / 'data.yaml').read_text() == 'old'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['data', 'foreign']  # no scratch folder left
+    assert generated_dataset(root, new, 'spec.json', 'a photo dataset', writer('new')).read_text() == 'new'
+    assert sorted(p.name for p in root.iterdir()) == ['data.yaml', 'spec.json']

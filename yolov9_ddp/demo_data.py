@@ -115,22 +115,31 @@ def data_yaml_text(root: Path) -> str:
 
 def ensure_demo_dataset(root, spec: DemoSpec = DemoSpec(), log=print, processes: int = 1) -> Path:
     """Return root/data.yaml, generating the dataset first unless root already holds this spec."""
+    def write(folder: Path):
+        log(f'generating demo dataset in {root}: {spec.train} train + {spec.val} val images at {spec.imgsz} px')
+        _write_split(folder, spec, 'train', spec.train, processes)
+        _write_split(folder, spec, 'val', spec.val, processes)
+        (folder / 'data.yaml').write_text(data_yaml_text(Path(root).resolve()))
+    return generated_dataset(root, spec, SPEC_FILE, 'a demo dataset', write)
+
+
+def generated_dataset(root, spec, spec_name: str, kind: str, write) -> Path:
+    """root/data.yaml of a generated dataset of `spec` (a dataclass), which root holds or write(folder) writes.
+
+    write() fills a scratch folder beside root, which then replaces root in one rename: a dataset killed while it
+    was written is never taken for a whole one, and the spec file beside data.yaml says what root holds."""
     root = Path(root).resolve()
-    spec_file = root / SPEC_FILE
+    spec_file = root / spec_name
     if spec_file.is_file() and json.loads(spec_file.read_text()) == asdict(spec):
         return root / 'data.yaml'
     if root.exists() and any(root.iterdir()) and not spec_file.is_file():
-        raise FileExistsError(f'{root} exists and is not a demo dataset; choose another folder')
-    log(f'generating demo dataset in {root}: {spec.train} train + {spec.val} val images at {spec.imgsz} px')
+        raise FileExistsError(f'{root} exists and is not {kind}; choose another folder')
     root.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f'.{root.name}.', dir=root.parent))
     try:
-        _write_split(work, spec, 'train', spec.train, processes)
-        _write_split(work, spec, 'val', spec.val, processes)
-        (work / 'data.yaml').write_text(data_yaml_text(root))
-        (work / SPEC_FILE).write_text(json.dumps(asdict(spec), sort_keys=True))
-        if root.exists():
-            shutil.rmtree(root)
+        write(work)
+        (work / spec_name).write_text(json.dumps(asdict(spec), sort_keys=True))
+        shutil.rmtree(root, ignore_errors=True)
         os.replace(work, root)
     finally:
         shutil.rmtree(work, ignore_errors=True)
