@@ -16,7 +16,6 @@ imports without it, and its geometry (compose) works on any arrays.
 """
 import argparse
 import functools
-import multiprocessing
 import os
 import sys
 import time
@@ -27,7 +26,7 @@ import cv2
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the kit, when run as a script
-from yolov9_ddp.demo_data import generated_dataset  # noqa: E402
+from yolov9_ddp.demo_data import generated_dataset, write_items  # noqa: E402
 
 OBJECTS = {  # class: (skimage.data sample, crop x0, y0, x1, y1 in its pixels)
     'cat': ('chelsea', 80, 30, 380, 285),
@@ -177,12 +176,7 @@ def write_split(root: Path, spec: PhotoSpec, split: str, count: int, processes: 
     for folder in ('images', 'labels'):
         (root / folder / split).mkdir(parents=True)
     jobs = [(root, spec, split, index) for index in range(count)]
-    if processes > 1 and count > 256:  # every item is independent of the others (its own seeded generator)
-        with multiprocessing.get_context('spawn').Pool(processes) as pool:
-            pool.starmap(write_item, jobs, chunksize=64)
-    else:
-        for job in jobs:
-            write_item(*job)
+    write_items(write_item, jobs, processes)
 
 
 def ensure_photo_dataset(root, spec=PhotoSpec(), log=print, processes=1) -> Path:

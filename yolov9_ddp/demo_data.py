@@ -96,16 +96,22 @@ def _folders(spec: DemoSpec, split: str) -> list:
     return [Path(folder, split) for folder in ('images', 'labels', 'stuff')[:3 if spec.labels == 'panoptic' else 2]]
 
 
+def write_items(write_item, jobs, processes: int):
+    """write_item(*job) for every job, in `processes` processes where that pays: every item is independent of the
+    others (drawn by its own seeded generator), so the order they are written in does not matter."""
+    if processes > 1 and len(jobs) > 256:
+        with multiprocessing.get_context('spawn').Pool(processes) as pool:
+            pool.starmap(write_item, jobs, chunksize=64)
+    else:
+        for job in jobs:
+            write_item(*job)
+
+
 def _write_split(root: Path, spec: DemoSpec, split: str, count: int, processes: int):
     for folder in _folders(spec, split):
         (root / folder).mkdir(parents=True)
     jobs = [(root, spec, split, index) for index in range(count)]
-    if processes > 1 and count > 256:  # every item is independent of the others (its own seeded generator)
-        with multiprocessing.get_context('spawn').Pool(processes) as pool:
-            pool.starmap(_write_item, jobs, chunksize=64)
-    else:
-        for job in jobs:
-            _write_item(*job)
+    write_items(_write_item, jobs, processes)
 
 
 def data_yaml_text(root: Path) -> str:
