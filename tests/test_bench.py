@@ -45,6 +45,7 @@ def test_a_dry_run_never_lands_among_the_gpu_figures():
     assert merged['dry_run']['targets']['scaling_2gpu'] == 0.5 and 'measure nothing' in merged['dry_run']['note']
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_dry_run_call_runs_end_to_end_and_records_every_target_key(pinned_upstream, tmp_path, offline_env):
     """val-cache on 2 CPU processes, one round: the trees built from wheels, a dataset, a validation job and two

@@ -144,6 +144,7 @@ def by_option(actions):
     return {option: action for action in actions for option in action['option_strings']}
 
 
+@pytest.mark.slow
 def test_every_upstream_flag_is_accepted_with_the_same_definition(parsers, task):
     upstream, ours = parsers['upstream'], by_option(parsers['ours'])
     assert len(upstream) > 35  # the parser object was captured, not an empty stand-in
@@ -174,6 +175,7 @@ def test_every_upstream_flag_parses_to_the_same_value(parsers, task):
             assert parsed['ours'][dest] == parsed['upstream'][dest], f'{sample}: {dest}'
 
 
+@pytest.mark.slow
 def test_help_documents_the_kit_flags(patched_tree):
     result = run([sys.executable, 'ddp_train_dual.py', '--help'], patched_tree, timeout=120,
                  env=job_env(COLUMNS='100'))
@@ -191,6 +193,7 @@ def test_help_documents_the_kit_flags(patched_tree):
 
 # -- 3. the legacy launcher --------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_legacy_torch_distributed_launch_trains(patched_tree, demo_data, tmp_path):
     project = tmp_path / 'runs'
     cmd = [sys.executable, '-m', 'torch.distributed.launch', '--nproc_per_node', '2', '--master_addr', '127.0.0.1',
@@ -206,6 +209,7 @@ def test_legacy_torch_distributed_launch_trains(patched_tree, demo_data, tmp_pat
 
 # -- 4. the demo dataset when no --data is given -----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_without_data_trains_on_the_generated_demo_dataset(patched_tree, offline_env, tmp_path):
     demo, project = tmp_path / 'demo', tmp_path / 'runs'
     before = sorted(p.name for p in patched_tree.iterdir())
@@ -252,6 +256,7 @@ def logged_job(patched_tree, demo_data, tmp_path_factory):
     return {'project': project, 'outputs': outputs, 'folders': sorted(p.name for p in project.iterdir())}
 
 
+@pytest.mark.slow
 def test_rank_0_logs_and_shows_progress(logged_job):
     out = logged_job['outputs'][0]
     assert 'Epoch' in out and 'GPU_mem' in out
@@ -276,6 +281,7 @@ def test_other_ranks_print_only_warnings_and_errors_with_their_rank(logged_job):
     assert all(line.startswith('[rank 1] ') for line in lines), lines
 
 
+@pytest.mark.slow
 def test_one_run_folder_per_run_incremented_as_upstream(logged_job, patched_tree, demo_data):
     project = logged_job['project']
     assert logged_job['folders'] == ['exp']  # 2 ranks, one folder

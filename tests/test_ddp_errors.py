@@ -170,16 +170,19 @@ def wrong_class_data(demo_data, tmp_path_factory):
 
 # -- option errors -----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_batch_size_not_divisible_by_world_size(patched_tree, base, tmp_path):
     run = launch(patched_tree, 2, base(batch=5), tmp_path)
     assert_clean_failure(run, 2, '--batch-size 5', '2 processes')
 
 
+@pytest.mark.slow
 def test_image_weights_under_ddp(patched_tree, base, tmp_path):
     run = launch(patched_tree, 2, base() + ['--image-weights'], tmp_path)
     assert_clean_failure(run, 2, '--image-weights', 'DDP')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('nproc', [1, 2])
 def test_evolve_is_refused(patched_tree, base, tmp_path, nproc):
     run = launch(patched_tree, nproc, base() + ['--evolve'], tmp_path)
@@ -187,23 +190,27 @@ def test_evolve_is_refused(patched_tree, base, tmp_path, nproc):
     assert not (tmp_path / 'runs').exists()  # refused before anything was created
 
 
+@pytest.mark.slow
 def test_autobatch_under_ddp(patched_tree, base, tmp_path):
     run = launch(patched_tree, 2, base(batch=-1), tmp_path)
     assert_clean_failure(run, 2, 'AutoBatch', '--batch-size -1')
 
 
+@pytest.mark.slow
 def test_missing_data_yaml(patched_tree, base, tmp_path):
     missing = tmp_path / 'nowhere' / 'data.yaml'
     run = launch(patched_tree, 2, base(missing), tmp_path)
     assert_clean_failure(run, 2, f'--data {missing}', 'no such file')
 
 
+@pytest.mark.slow
 def test_malformed_data_yaml(patched_tree, base, tmp_path):
     bad = write_yaml(tmp_path / 'bad.yaml', 'train: [images/train\nval: images/val\nnames: {0: a\n')
     run = launch(patched_tree, 2, base(bad), tmp_path)
     assert_clean_failure(run, 2, f'--data {bad}')
 
 
+@pytest.mark.slow
 def test_data_yaml_without_val(patched_tree, base, demo_data, tmp_path):
     data = write_yaml(tmp_path / 'noval.yaml', f'path: {demo_root(demo_data)}\ntrain: images/train\n'
                                                'names:\n  0: a\n  1: b\n  2: c\n')
@@ -211,6 +218,7 @@ def test_data_yaml_without_val(patched_tree, base, demo_data, tmp_path):
     assert_clean_failure(run, 2, f'--data {data}', "'val:'", 'missing')
 
 
+@pytest.mark.slow
 def test_data_yaml_whose_train_folder_has_no_images(patched_tree, base, demo_data, tmp_path):
     empty = tmp_path / 'empty' / 'images' / 'train'
     empty.mkdir(parents=True)
@@ -228,11 +236,13 @@ def test_cuda_device_without_cuda(patched_tree, base, tmp_path):
     assert_clean_failure(run, 1, '--device 0', 'cannot use CUDA here', 'use --device cpu')
 
 
+@pytest.mark.slow
 def test_labels_with_a_class_beyond_nc(patched_tree, base, wrong_class_data, tmp_path):
     run = launch(patched_tree, 2, base(wrong_class_data), tmp_path)
     assert_clean_failure(run, 2, 'label class 7', 'nc=3')
 
 
+@pytest.mark.slow
 def test_resume_from_a_path_that_does_not_exist(patched_tree, base, tmp_path):
     missing = tmp_path / 'old' / 'exp' / 'weights' / 'last.pt'
     run = launch(patched_tree, 2, base() + ['--resume', missing], tmp_path)
@@ -242,6 +252,7 @@ def test_resume_from_a_path_that_does_not_exist(patched_tree, base, tmp_path):
 
 # -- every rank exits by itself -----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_every_rank_exits_by_itself_on_labels_beyond_nc(patched_tree, base, wrong_class_data, tmp_path):
     results = launch_ranks_directly(patched_tree, 2, base(wrong_class_data), tmp_path)
     assert_every_rank_exits_by_itself(results, 'label class 7', 'nc=3')

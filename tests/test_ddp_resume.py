@@ -117,6 +117,7 @@ def test_a_truncated_checkpoint_is_reported_not_loaded(tmp_path):
 
 # -- resume ------------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_resume_continues_in_the_same_folder_at_the_next_epoch(patched_tree, dataset, tmp_path):
     project = tmp_path / 'runs'
     args = train_args(dataset, project, EPOCHS, 4, 64)
@@ -138,6 +139,7 @@ def test_resume_continues_in_the_same_folder_at_the_next_epoch(patched_tree, dat
     assert_completed_every_epoch(project, output)
 
 
+@pytest.mark.slow
 def test_torchrun_restart_after_a_killed_worker_resumes_by_itself(patched_tree, dataset, tmp_path):
     project = tmp_path / 'runs'
     args = train_args(dataset, project, EPOCHS, 4, 64)
@@ -155,6 +157,7 @@ def test_torchrun_restart_after_a_killed_worker_resumes_by_itself(patched_tree, 
     assert_completed_every_epoch(project, output)
 
 
+@pytest.mark.slow
 def test_restart_of_a_finished_job_does_not_train_again(patched_tree, dataset, tmp_path, monkeypatch):
     project = tmp_path / 'runs'
     args = list(map(str, train_args(dataset, project, 1, 4, 64)))

@@ -60,6 +60,7 @@ def sampler_runs(patched_tree, dataset, tmp_path_factory):
     return run('a', 0), run('b', 0), run('c', 1)
 
 
+@pytest.mark.slow
 def test_each_training_image_is_drawn_once_per_epoch_across_ranks(sampler_runs):
     first, _, _ = sampler_runs
     files = first['ranks'][0]['files']
@@ -110,6 +111,7 @@ def changed(before_run, after_run):
     return any(before_run[k] != after_run[k] for k in before_run)
 
 
+@pytest.mark.slow
 def test_one_step_1_process_batch_b_equals_2_processes_batch_b_over_2(patched_tree, dataset, trained_weights,
                                                                       tmp_path):
     # Upstream's loss divides by the sum of target scores of the batch a process sees (at least 1), so 1 x B and
@@ -124,6 +126,7 @@ def test_one_step_1_process_batch_b_equals_2_processes_batch_b_over_2(patched_tr
     assert changed(init, single)  # a real step was taken
 
 
+@pytest.mark.slow
 def test_2_processes_equal_1_process_accumulating_the_same_micro_batches(patched_tree, dataset, trained_weights,
                                                                         tmp_path):
     # 8 different images: the gradient all-reduce and the loss scaling by world size must be right for this
@@ -135,6 +138,7 @@ def test_2_processes_equal_1_process_accumulating_the_same_micro_batches(patched
     assert_same_params(single, ddp['ranks'][0]['params'])
 
 
+@pytest.mark.slow
 def test_accumulation_micro_steps_skip_the_gradient_all_reduce(patched_tree, dataset, trained_weights, tmp_path):
     config = fixed_inputs(patched_tree, trained_weights, tmp_path / 'in', duplicate_halves=False)
     single = step(patched_tree, dataset, tmp_path, 1, 4, config, 'single')['ranks'][0]['params']
@@ -164,6 +168,7 @@ def test_ema_is_bit_identical_on_every_rank_after_every_epoch(patched_tree, data
 
 # -- distributed validation --------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize('nproc', [2, 3])
 def test_distributed_validation_equals_single_process_validation(patched_tree, dataset, trained_weights, tmp_path,
                                                                   nproc):

@@ -139,6 +139,7 @@ def torchs_own_reason(env: dict) -> str:
     return environment.first_sentence(result.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.smoke
 def test_processes_without_device_cpu_where_cuda_finds_no_gpu_fail_with_one_line(patched_tree, args):
     """Real here: torch is a CUDA build and this machine has no NVIDIA driver (elsewhere CUDA_VISIBLE_DEVICES=''
@@ -152,6 +153,7 @@ def test_processes_without_device_cpu_where_cuda_finds_no_gpu_fail_with_one_line
     assert not Path(args[args.index('--project') + 1]).exists(), 'nothing may be written'
 
 
+@pytest.mark.slow
 @pytest.mark.smoke
 def test_processes_without_device_cpu_under_a_too_old_driver_fail_with_one_line(patched_tree, args):
     result = launch(patched_tree, 2, args, **pretending('old-driver'))

@@ -28,7 +28,7 @@ from testsupport.faults import (FAULT_EPOCHS, KILL_FAULTS, RAISE_FAULTS, STOP_DE
 from testsupport.jobs import PROBE, free_port, train_args
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures('upstream_importable')]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures('upstream_importable')]
 SPEC = DemoSpec(train=48, val=16, imgsz=64)  # 12 steps per epoch on each of 2 ranks at batch 4
 
 

@@ -164,6 +164,7 @@ def recorded_levers(run_dir) -> tuple:
     (('--levers', 'progress_every=5', '--channels-last'),
      describe(replace(Levers(), progress_every=5, foreach_ema=False, channels_last=True)),
      'levers changed on resume: progress_every 3 -> 5, channels_last 0 -> 1')])
+@pytest.mark.slow
 def test_a_resume_trains_with_the_runs_levers_unless_given_again(patched_tree, interrupted_with_levers, tmp_path,
                                                                   given, expected, change):
     assert recorded_levers(interrupted_with_levers) == (RECORDED, RECORDED)

@@ -144,6 +144,7 @@ print('ok')
                args=[requirements])
 
 
+@pytest.mark.slow
 def test_0002_models_common_imports_without_ipython(tree_without, patched_tree, offline_env):
     code = HIDE.format(name='IPython') + '''
 import models.common, utils.general
@@ -153,6 +154,7 @@ print('ok')
     assert_fix(tree_without(2), patched_tree, code, offline_env, ['ModuleNotFoundError', 'IPython'])
 
 
+@pytest.mark.slow
 def test_0003_fonts_resolve_locally_without_network(tree_without, patched_tree, demo_data, offline_env):
     code = '''
 import os, sys
@@ -170,6 +172,7 @@ print('ok')
     assert_fix(tree_without(3), patched_tree, code, offline_env, ['URLError', BLOCKED], args=[demo_data])
 
 
+@pytest.mark.slow
 def test_0004_box_labels_are_measured_with_getbbox(tree_without, patched_tree, offline_env):
     code = '''
 import numpy as np
@@ -183,6 +186,7 @@ print('ok')
     assert_fix(tree_without(4), patched_tree, code, offline_env, ["no attribute 'getsize'"])
 
 
+@pytest.mark.slow
 def test_0005_checkpoints_load_with_weights_only_false(tree_without, patched_tree, offline_env, tmp_path):
     code = '''
 import sys, torch
@@ -264,6 +268,7 @@ def test_0006_average_precision_is_integrated_with_trapz_on_numpy_1(patched_tree
     assert result.stdout.split() == ['0.6', 'ok'], describe(result)
 
 
+@pytest.mark.slow
 def test_0007_amp_uses_the_torch_amp_api(tree_without, patched_tree, offline_env):
     # What a training step runs: each TAL loss's VarifocalLoss and autobatch's autocast; and AutoShape (hubconf.py).
     code = '''
@@ -286,6 +291,7 @@ print('ok')
     assert_fix(tree_without(7), patched_tree, code, offline_env, ['FutureWarning', 'torch.cuda.amp'], args=[TINY_CFG])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('script', [*TRAINING_SCRIPTS, 'classify/train.py'])
 def test_0008_training_scripts_accept_local_rank_with_a_hyphen(script, tree_without, patched_tree, offline_env):
     code = '''
@@ -424,6 +430,7 @@ def test_0010_label_cache_is_never_seen_half_written(fixed, tree_without, patche
 
 # -- 0013: no pip install at run time ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_0013_missing_requirements_are_reported_not_installed(tree_without, patched_tree, offline_env):
     # What segment/predict.py, classify/*.py and hubconf.py call; pip must not run (check_output is its only caller).
     code = '''

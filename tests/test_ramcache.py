@@ -63,6 +63,7 @@ def job_pids(report) -> list:
 
 # -- in a job --------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_local_rank_0_decodes_every_image_once_for_the_node(probe_runs):
     ranks = probe_runs(2)['ranks']
     assert [r['decodes'] for r in ranks] == [SPEC.train + SPEC.val, 0]
@@ -84,6 +85,7 @@ def test_the_node_holds_one_copy_with_two_ranks_as_with_one(probe_runs):
     assert two['pss_bytes'] <= two['resident_bytes'], 'the mappings account for no more than the files hold'
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('start_method', ['fork', 'spawn', 'forkserver'])
 def test_loader_workers_map_the_cache_whatever_starts_them(probe_runs, upstream_digests, start_method):
     """Workers started by spawn or forkserver (Python 3.14's default) receive the dataset pickled: they must open
@@ -121,6 +123,7 @@ def released(files: set, grace: float) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_nothing_of_the_cache_outlives_a_sigkilled_job(patched_tree, cache_data, tmp_path):
     """No named segment is ever made (nothing in /dev/shm to leak); the cache's memory goes with the processes."""
     before = shm_entries()
@@ -142,6 +145,7 @@ def test_nothing_of_the_cache_outlives_a_sigkilled_job(patched_tree, cache_data,
     assert released(held, grace=30), 'a cache file of the job is still held'
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures('upstream_importable')  # the checks load checkpoints, which pickle upstream classes
 def test_a_torchrun_restart_builds_the_cache_again_and_a_completed_job_leaves_nothing(patched_tree, cache_data,
                                                                                       tmp_path):
