@@ -79,7 +79,8 @@ class Applier:
     def inspect(self) -> Tree:
         check_is_yolov9_tree(self.target)
         record = read_state(self.target)
-        undo = record.get('diff', KIT_0_1_0_DIFF.read_text(encoding='utf-8') if record else '')
+        # a record without a diff is kit 0.1.0's; a recorded diff may be '' (every patch already upstream)
+        undo = record['diff'] if 'diff' in record else KIT_0_1_0_DIFF.read_text(encoding='utf-8') if record else ''
         paths = set(self.pin.touched) | set(self.created) | {path for _, path in DIFF_HEADER.findall(undo)}
         contents = read_contents(self.target, sorted(paths))
         committed = blobs_at(self.target, 'HEAD', sorted(self.pin.touched)) if self.repository else {}
@@ -235,9 +236,10 @@ class Applier:
 
     def apply(self, dry_run=False):
         with contextlib.nullcontext(self.inspect()) if dry_run else self.locked() as tree:
+            wanted = kit_files()
             try:
                 result, edited, reports = self.plan(tree)
-                installs = self.install_changes(tree.record, kit_files())
+                installs = self.install_changes(tree.record, wanted)
             except TreeError as e:
                 if not dry_run:
                     raise
@@ -253,7 +255,7 @@ class Applier:
             self.write(changes, installs, {
                 'kit': 'yolov9-ddp', 'version': kit_version(), 'upstream': self.pin.commit, 'series': self.series_id,
                 'patches': [p.name for p in self.patches], 'other_revision': reports is not None, 'merged': edited,
-                'diff': diff_contents(tree.base, result), 'installed': {p: blob_id(d) for p, d in kit_files().items()}})
+                'diff': diff_contents(tree.base, result), 'installed': {p: blob_id(d) for p, d in wanted.items()}})
             return {**self.report(self.inspect(), did), 'installed': sorted(installs)}, EXIT_OK
 
     def revert(self):
