@@ -19,8 +19,8 @@ from patchkit.pin import Pin, blob_id, file_blob_id
 from patchkit.refresh import apply_as_commits, refresh
 from patchkit.series import read_series
 from patchkit.tree import JOURNAL_DIR as JOURNAL, STATE_FILE, lock_path
-from testsupport.trees import (KIT, PATCHES, SERIES, clean_env, copy_kit, copy_tree, describe, git, make_git_repo,
-                               run_applier, snapshot)
+from testsupport.trees import (KIT, PATCHES, SERIES, apply_ok, clean_env, copy_kit, copy_tree, describe, git,
+                               make_git_repo, run_applier, snapshot)
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -41,12 +41,6 @@ def status_json(tree: Path) -> dict:
     result = run_applier(tree, '--status', '--json')
     assert result.returncode == 0, describe(result)
     return json.loads(result.stdout)
-
-
-def apply_ok(tree: Path, *args) -> subprocess.CompletedProcess:
-    result = run_applier(tree, *args)
-    assert result.returncode == 0, describe(result)
-    return result
 
 
 def assert_pinned(tree: Path, pinned_upstream: Path):

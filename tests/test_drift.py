@@ -35,12 +35,6 @@ def patch_named(prefix: str) -> str:
     return next(name for name in SERIES if name.startswith(prefix))
 
 
-def commit_all(repo: Path, message: str):
-    """Upstream moves: its commit is on the remote-tracking branch (a commit of the user's own would be a local
-    edit, which apply_patches.py merges)."""
-    commit_upstream(repo, message)
-
-
 def insert_at_top(path: Path, count: int):
     path.write_text(''.join(f'# upstream added line {i}\n' for i in range(count)) + path.read_text())
 
@@ -125,7 +119,7 @@ def upstream_repo(pristine_tree) -> Path:
 def test_lines_inserted_above_a_hunk_give_offset_and_exit_3(pin, upstream_repo):
     metrics = upstream_repo / 'utils' / 'metrics.py'
     insert_at_top(metrics, 2)
-    commit_all(upstream_repo, 'upstream adds two lines at the top of utils/metrics.py')
+    commit_upstream(upstream_repo, 'upstream adds two lines at the top of utils/metrics.py')
 
     code, report = check_json(upstream_repo)
     assert code == 3 and report['state'] == 'modified'
@@ -151,7 +145,7 @@ def test_a_changed_context_line_is_a_conflict_naming_file_hunk_and_line(upstream
     edited = "        if anchor == 'bottom':  # y starts at the bottom of the font\n"
     insert_at_top(plots, 3)  # lines above as well: the report must still find the hunk's place
     replace_once(plots, PLOTS_CONTEXT, edited)
-    commit_all(upstream_repo, 'upstream rewords a comment in Annotator.text')
+    commit_upstream(upstream_repo, 'upstream rewords a comment in Annotator.text')
     # Where the line sits in the file as the patches before 0004 leave it, worked out with plain git.
     expected_file = copy_tree(upstream_repo, tmp_path / 'before-0004')
     for name in SERIES[:SERIES.index(patch_named('0004'))]:
@@ -184,7 +178,7 @@ def test_a_fix_merged_upstream_is_reported_and_skipped(upstream_repo, merged):
     # "pin + 0001": what a half-applied series looks like. In a clean git clone the commit is upstream's,
     # so it must get the drift report.
     merge_upstream(upstream_repo, merged)
-    commit_all(upstream_repo, f'upstream merges the fix of patch {merged}')
+    commit_upstream(upstream_repo, f'upstream merges the fix of patch {merged}')
 
     code, report = check_json(upstream_repo)
     assert code == 3 and report['state'] == 'modified'
@@ -228,7 +222,7 @@ def test_a_prefix_of_the_series_outside_git_history_names_both_readings(pristine
 ], ids=['deleted', 'renamed'])
 def test_a_deleted_or_renamed_touched_file_is_missing(upstream_repo, move, path, prefixes, shifted):
     git(upstream_repo, *(['rm', '--quiet', path] if move == 'rm' else ['mv', path, path.replace('.py', '_v2.py')]))
-    commit_all(upstream_repo, f'upstream {"deletes" if move == "rm" else "renames"} {path}')
+    commit_upstream(upstream_repo, f'upstream {"deletes" if move == "rm" else "renames"} {path}')
 
     code, report = check_json(upstream_repo)
     assert code == 1
@@ -247,7 +241,7 @@ def test_a_deleted_or_renamed_touched_file_is_missing(upstream_repo, move, path,
 def test_a_change_only_reduced_context_accepts_is_fuzz_and_fails(upstream_repo):
     metrics = upstream_repo / 'utils' / 'metrics.py'
     replace_once(metrics, METRICS_CONTEXT, "    method = 'interp'  # methods: 'interp' or 'continuous'\n")
-    commit_all(upstream_repo, 'upstream rewords a comment three lines above the np.trapz call')
+    commit_upstream(upstream_repo, 'upstream rewords a comment three lines above the np.trapz call')
     fuzzy = patch_named('0006')
     assert not git_accepts(upstream_repo, fuzzy) and git_accepts(upstream_repo, fuzzy, '-C1'), \
         'the scenario is not a fuzz case: git apply must need -C1 for it'
@@ -280,7 +274,7 @@ def test_markdown_report_has_the_patch_table_the_blob_changes_and_a_verdict(pin,
     merge_upstream(upstream_repo, '0001')  # touches utils/loggers/__init__.py: underscores must stay literal
     replace_once(upstream_repo / 'utils' / 'metrics.py', METRICS_CHANGED, METRICS_CHANGED.replace('integrate', 'area'))
     insert_at_top(upstream_repo / 'utils' / 'dataloaders.py', 2)
-    commit_all(upstream_repo, 'upstream merges 0001, edits the np.trapz line, adds lines to dataloaders.py')
+    commit_upstream(upstream_repo, 'upstream merges 0001, edits the np.trapz line, adds lines to dataloaders.py')
 
     result = check(upstream_repo, '--markdown')
     assert result.returncode == 1, describe(result)
@@ -309,7 +303,7 @@ def test_markdown_verdicts_follow_the_exit_status(upstream_repo, tmp_path):
     assert '| file | pinned blob | found |' not in result.stdout
 
     insert_at_top(upstream_repo / 'utils' / 'metrics.py', 1)
-    commit_all(upstream_repo, 'upstream adds a line')
+    commit_upstream(upstream_repo, 'upstream adds a line')
     result = check(upstream_repo, '--markdown')
     assert result.returncode == 3
     assert result.stdout.rstrip().splitlines()[-1].startswith('**Verdict: upstream moved, every patch still applies')
@@ -396,7 +390,7 @@ def test_workflow_reports_both_trees_and_fails_only_when_a_patch_stops_applying(
         insert_at_top(metrics, 2)
     else:
         replace_once(metrics, METRICS_CHANGED, METRICS_CHANGED.replace('integrate', 'area'))
-    commit_all(moved, 'upstream moves')
+    commit_upstream(moved, 'upstream moves')
 
     result = run_step(steps['drift'], temp)
     assert result.returncode == 0, describe(result)
@@ -434,7 +428,7 @@ def test_the_readme_refresh_path_carries_the_series_onto_a_new_upstream(pinned_u
     merge_upstream(clone, '0001')
     replace_once(clone / 'utils' / 'metrics.py', METRICS_CHANGED, METRICS_CHANGED.replace('integrate', 'area'))
     insert_at_top(clone / 'utils' / 'dataloaders.py', 2)
-    commit_all(clone, 'upstream moves')
+    commit_upstream(clone, 'upstream moves')
     new = git(clone, 'rev-parse', 'HEAD').strip()
 
     git(clone, 'switch', '--quiet', '-c', 'refresh', base)  # 1. a branch at the pin

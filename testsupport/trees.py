@@ -102,6 +102,13 @@ def run_applier(target, *args, kit: Path = KIT, env=None, timeout=300) -> subpro
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=str(kit))
 
 
+def apply_ok(target, *args, kit: Path = KIT) -> subprocess.CompletedProcess:
+    """run_applier() that must succeed (exit status 0)."""
+    result = run_applier(target, *args, kit=kit)
+    assert result.returncode == 0, describe(result)
+    return result
+
+
 def run_python(code: str, cwd: Path, env: dict, args=(), flags=(), timeout=300) -> subprocess.CompletedProcess:
     """Run a Python snippet in a tree (cwd first on sys.path, as for `python script.py` there);
     args become sys.argv[1:]."""
