@@ -85,10 +85,11 @@ def main():
     m.add_argument('--into', type=Path, default=Path(__file__).resolve().parent / 'results.json')
     args = p.parse_args()
     content = json.loads(args.into.read_text()) if args.into.exists() else {}
-    for path in args.calls:
-        content = merge(json.loads(path.read_text()), content)
+    calls = [json.loads(path.read_text()) for path in args.calls]
+    for call in calls:
+        content = merge(call, content)
     args.into.write_text(json.dumps(content, indent=1) + '\n')
-    section = content if all(json.loads(c.read_text())['mode'] == 'gpu' for c in args.calls) else content['dry_run']
+    section = content if all(call['mode'] == 'gpu' for call in calls) else content['dry_run']
     print(json.dumps(section['targets'], indent=1))
 
 

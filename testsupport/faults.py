@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from testsupport.imagecache import parent_of
 from testsupport.jobs import job_env, run, task_cfg, torchrun_cmd, train_args
 from testsupport.trees import TINY_CFG
 
@@ -357,7 +358,7 @@ def random_kill_scenario(tree, data, workdir: Path, seed: int, nproc=2, epochs=6
                     'job', 'mark:rank=0:where=step:epoch=0:step=1')
     wait_for_path(job.records / 'mark-mark', job)
     time.sleep(rng.uniform(0, 4))
-    processes = {pid: parent_pid(pid) for pid in processes_mentioning(job.marker) if pid != job.proc.pid}
+    processes = {pid: parent_of(pid) for pid in processes_mentioning(job.marker) if pid != job.proc.pid}
     if not processes:
         job.wait(timeout)
         return Outcome(project, [job], ['the job ended before the kill'], [], None, {})
@@ -368,13 +369,6 @@ def random_kill_scenario(tree, data, workdir: Path, seed: int, nproc=2, epochs=6
     job.wait(timeout)
     problems = restarted_run_problems(job, project, epochs, 1, None)
     return Outcome(project, [job], problems, [], None, detail)
-
-
-def parent_pid(pid: int) -> int:
-    try:
-        return int(Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
 
 
 def restarted_run_problems(job: Job, project: Path, epochs: int, faults: int, fault_epochs, task=DUAL) -> list:
@@ -441,7 +435,7 @@ def signal_scenario(tree, data, workdir: Path, signum=signal.SIGTERM, save_on_si
     from yolov9_ddp.tasks import TASKS
     project = workdir / 'runs'
     last = project / 'exp' / 'weights' / 'last.pt'
-    extra = ['--workers', 1] + (['--save-on-signal'] if save_on_signal else [])
+    extra = [*WORKERS] + (['--save-on-signal'] if save_on_signal else [])
     args = fault_args(data, project, epochs, *extra, task=task)
     job = start_job(faulty_launch(nproc, args), tree, workdir, 'stopped', MARK_SLOW, FAULT_TASK=task)
     wait_for_path(job.records / 'mark-mark', job)
@@ -544,7 +538,6 @@ def interrupted_copy(tree, data, workdir: Path, source: Path = None, epochs=FAUL
 def damage(path: Path, how: str, tree=None):
     """Make a checkpoint unusable: 'truncated' (its first half), 'garbage' (random bytes, not a zip archive),
     'another-model' (a whole checkpoint, of the tiny model with nc=5 instead of 3; made in the tree)."""
-    import random
     if how == 'truncated':
         path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
     elif how == 'garbage':

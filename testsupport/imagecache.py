@@ -12,8 +12,12 @@ CACHE_LINK = f'/memfd:{MEMFD_NAME}'  # what /proc/PID/fd/N links to and /proc/PI
 
 
 def parent_of(pid: int) -> int:
-    stat = Path(f'/proc/{pid}/stat').read_text()
-    return int(stat[stat.rindex(')') + 2:].split()[1])  # the name in parentheses may hold spaces
+    """The pid of a process's parent; -1 if the process has ended."""
+    try:
+        stat = Path(f'/proc/{pid}/stat').read_text()
+        return int(stat[stat.rindex(')') + 2:].split()[1])  # the name in parentheses may hold spaces
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 def descendants(root: int) -> list:
@@ -21,10 +25,7 @@ def descendants(root: int) -> list:
     children = {}
     for entry in Path('/proc').iterdir():
         if entry.name.isdigit():
-            try:
-                children.setdefault(parent_of(int(entry.name)), []).append(int(entry.name))
-            except (OSError, ValueError):
-                continue  # ended meanwhile
+            children.setdefault(parent_of(int(entry.name)), []).append(int(entry.name))  # -1: ended meanwhile
     found, todo = [], [root]
     while todo:
         pid = todo.pop()
