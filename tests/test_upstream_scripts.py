@@ -10,7 +10,6 @@ torch.cuda.amp call, a download or a pip install (the network is blocked; patche
 The models are the kit's tiny configs (yolov9_ddp/models), one per head; the data come from
 yolov9_ddp.demo_data with the labels each task reads.
 """
-import csv
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from testsupport.faults import results_epochs
 from testsupport.trees import KIT, describe, offline_environment, run_python
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
@@ -85,11 +85,6 @@ def assert_validated(result: subprocess.CompletedProcess, images: int):
     assert rows and all(row[1] == str(images) for row in rows), describe(result)
 
 
-def epochs_in(run: Path) -> list:
-    with open(run / 'results.csv') as f:
-        return [int(row['epoch'].strip()) for row in csv.DictReader(f, skipinitialspace=True)]
-
-
 def train_args(task: Task, data: Path, project: Path, name: str, weights, *extra) -> list:
     common = ['--epochs', 1, '--batch-size', 8, '--imgsz', IMGSZ, '--device', 'cpu', '--workers', 0,
               '--project', project, '--name', name, *extra]
@@ -141,9 +136,9 @@ def test_train_fine_tune_resume_validate_and_predict_offline(name, patched_tree,
     assert best.is_file()
 
     if task.resumes:
-        before = epochs_in(project / 'scratch')
+        before = results_epochs(project / 'scratch')
         run_script(patched_tree, env, task.train, '--resume', interrupted_after_the_first_epoch(project / 'scratch'))
-        assert epochs_in(project / 'scratch')[len(before)] == 1, 'the resumed run did not continue at epoch 1'
+        assert results_epochs(project / 'scratch')[len(before)] == 1, 'the resumed run did not continue at epoch 1'
 
     validation = ['--data', data.parent if task.labels == 'classes' else data, '--weights', best, '--batch-size', 8,
                   '--imgsz', IMGSZ, '--device', 'cpu', '--workers', 0, '--project', project, '--name', 'val']
