@@ -70,12 +70,14 @@ SIZES = {
                 memory=photo_data.PhotoSpec(train=2048, val=1000), lever=photo_data.PhotoSpec(train=2048, val=1000),
                 parity=photo_data.PhotoSpec(train=4096, val=500, scale=0.5), parity_imgsz=256, parity_batch=64,
                 parity_epochs=4, steps=(15, 40), run_timeout_s=300,
-                entry=dict(train=1024, val=256, imgsz=320, epochs=3, batch_per_gpu=16)),
+                entry=dict(train=1024, val=256, imgsz=320, epochs=3, batch_per_gpu=16),
+                quick_entry=dict(train=64, val=32, imgsz=160, epochs=1, batch_per_gpu=8)),
     'dry-run': dict(cfg=TINY_CFG, imgsz=64, batch_per_gpu=4, workers=1, deadline_s=1500,
                     **{name: photo_data.PhotoSpec(train=32, val=16, scale=0.2)
                        for name in ('main', 'short', 'memory', 'lever', 'parity')},
                     parity_imgsz=64, parity_batch=8, parity_epochs=2, steps=(2, 3), run_timeout_s=300,
-                    entry=dict(train=16, val=8, imgsz=64, epochs=1, batch_per_gpu=4)),
+                    entry=dict(train=16, val=8, imgsz=64, epochs=1, batch_per_gpu=4),
+                    quick_entry=dict(train=16, val=8, imgsz=64, epochs=1, batch_per_gpu=4)),
 }
 
 
@@ -378,7 +380,7 @@ class Bench:
     def entry_points(self):
         """Each kit entry point trains a whole short run on N GPUs (NCCL) with an upstream model of its kind, on its
         task's demo data (boxes; polygons for segmentation): the in-loop img/s of its last epoch, its final metrics."""
-        n, size = self.n, self.size['entry']
+        n, size = self.n, self.size['quick_entry' if self.args.quick else 'entry']
         record = self.record.setdefault('entry_points', {})
         for name, task in TASKS.items():
             if self.elapsed() > self.deadline:
@@ -516,6 +518,8 @@ def main():
     p.add_argument('--pairs', type=int, default=results.MIN_PAIRS)
     p.add_argument('--deadline-s', type=float, default=None, help='start no round that would end after this')
     p.add_argument('--dry-run', action='store_true', help='CPUs and gloo, tiny sizes: proves the harness')
+    p.add_argument('--quick', action='store_true',
+                   help='entry-points: 64 + 32 images at 160 px, one epoch each: that each trains, not how fast')
     p.add_argument('--lever', default='channels_last=1', help="the 'lever' call's --levers")
     p.add_argument('--dataset', choices=('photo', 'demo'), default='photo',
                    help="photo: bench/photo_data.py's photographs (needs scikit-image); demo: the kit's flat shapes")
