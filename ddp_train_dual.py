@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent  # the YOLOv9 clone: upstream's modules a
 sys.path.insert(0, str(ROOT))
 
 from yolov9_ddp.entry import main  # noqa: E402
+from yolov9_ddp.failures import end_process  # noqa: E402
 
 if __name__ == '__main__':
-    sys.exit(main('detect-dual', root=ROOT))
+    end_process(main('detect-dual', root=ROOT))

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]  # the YOLOv9 clone: upstream's modul
 sys.path.insert(0, str(ROOT))
 
 from yolov9_ddp.entry import main  # noqa: E402
+from yolov9_ddp.failures import end_process  # noqa: E402
 
 if __name__ == '__main__':
-    sys.exit(main('segment-dual', root=ROOT))
+    end_process(main('segment-dual', root=ROOT))

@@ -149,6 +149,37 @@ def test_children_that_ignore_sigterm_cannot_block_the_exit():
     assert len(children) == 2 and not any(pid_alive(pid) for pid in children)
 
 
+END_PROCESS = '''
+    import atexit, pathlib, sys, threading, time
+    sys.path.insert(0, sys.argv[1])
+    from yolov9_ddp import failures
+
+    class FreedInTeardown:  # a module global: the interpreter's teardown frees it, as it frees torch's C++ objects
+        def __del__(self):
+            print('teardown ran', flush=True)
+
+    def late_writer():
+        time.sleep(0.5)
+        pathlib.Path(sys.argv[2], 'thread').write_text('done')
+
+    kept = FreedInTeardown()
+    threading.Thread(target=late_writer).start()
+    atexit.register(lambda: pathlib.Path(sys.argv[2], 'atexit').write_text('ran'))
+    sys.stdout.write('the last line, not flushed')
+    failures.end_process(3)
+'''
+
+
+def test_an_entry_point_ends_without_the_interpreter_teardown_but_with_everything_before_it(tmp_path):
+    """failures.end_process: main()'s status, the threads joined, the atexit handlers run and the output flushed,
+    but nothing freed by the interpreter's teardown (where a C++ destructor aborted a finished rank in CI)."""
+    result = subprocess.run([sys.executable, '-c', textwrap.dedent(END_PROCESS), str(KIT), str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3, result.stderr
+    assert result.stdout == 'the last line, not flushed', result.stdout
+    assert (tmp_path / 'thread').read_text() == 'done' and (tmp_path / 'atexit').read_text() == 'ran'
+
+
 def test_a_dead_peer_is_named_as_such_in_gloo_s_own_words():
     gloo = RuntimeError('[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer '
                         '[127.0.0.1]:44963. This is typically caused by a remote worker crashing. Check the logs')

@@ -22,7 +22,8 @@ def free_port() -> int:
 def job_env(**extra) -> dict:
     """Environment for a job: gloo on loopback, one thread per process (2 cores run several processes)."""
     env = {**os.environ, 'GLOO_SOCKET_IFNAME': 'lo', 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1',
-           'MPLBACKEND': 'Agg', 'YOLOv5_VERBOSE': 'True'}
+           'MPLBACKEND': 'Agg', 'YOLOv5_VERBOSE': 'True',
+           'PYTHONFAULTHANDLER': '1'}  # a process that crashes (SIGABRT, SIGSEGV) prints where it was
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

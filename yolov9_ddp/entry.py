@@ -1,7 +1,8 @@
 """What every kit entry point runs: parse the flags of the upstream script it replaces, join the process group,
 train the task, and end every way out with one line and an exit status (yolov9_ddp.failures).
 
-    sys.exit(main('detect-dual', root=ROOT))     in ddp_train_dual.py; the tasks are in yolov9_ddp.tasks
+    end_process(main('detect-dual', root=ROOT))     in ddp_train_dual.py (end_process: yolov9_ddp.failures);
+                                                    the tasks are in yolov9_ddp.tasks
 """
 import os
 import sys

@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -62,6 +63,27 @@ def end_children_at_exit():
     """Whatever way the interpreter exits, end the children first. atexit runs its functions last-registered first,
     so this runs before multiprocessing's own handler, which would join workers that ignore its SIGTERM."""
     atexit.register(end_children)
+
+
+def end_process(status: int):
+    """Exit with main()'s status without the interpreter's teardown, which only frees memory here but frees torch's
+    C++ objects (the process group's, the autograd engine's) while Python is being dismantled: a C++ destructor that
+    runs then can abort a process whose work is done. In the kit's CI (2026-12-01) a rank whose run had completed
+    died of 'terminate called without an active exception' (SIGABRT) on its way out, and torchrun reported the
+    finished run as failed (with --max-restarts it would have started it again). torch's
+    own destroy_process_group names the hazard (a destructor that finishes after the interpreter exits). Everything a
+    normal exit does before its teardown still happens, in its order: other threads are joined, the atexit handlers
+    run (logging's flush, the end of the loader workers, multiprocessing's), the standard streams are flushed."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (the reader is gone): nothing left to say there
+            pass
+    os._exit(status)
 
 
 def cause(error: BaseException) -> tuple:

@@ -55,7 +55,7 @@ sys.path.insert(0, os.getcwd())  # the patched tree, as for `python ddp_train_du
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from yolov9_ddp import checkpoint, entry, trainer  # noqa: E402
+from yolov9_ddp import checkpoint, entry, failures, trainer  # noqa: E402
 from yolov9_ddp.tasks import TASKS  # noqa: E402
 
 TASK = TASKS[os.environ.get('FAULT_TASK', 'detect-dual')]
@@ -344,4 +344,4 @@ def main() -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    failures.end_process(main())  # as the entry points end
