@@ -6,7 +6,7 @@ The jobs are the scripts as shipped, fitted to the test node on the sbatch comma
 the 2-node script as 2 tasks on the one node), training the kit's tiny model on the demo data with 2 CPU processes
 (gloo). They are stopped the way Slurm stops jobs: a signal to the batch shell (what a pre-emption notice or
 `scancel --batch --signal=TERM` sends) and the warning `--signal=B:TERM@N` sends before a time limit; `scancel`
-ends a job for good. 4 to 8 minutes on 2 cores, depending on their load (7 min at load 10).
+ends a job for good. 5 to 9 minutes on 2 cores, depending on their load (7 min at load 10).
 """
 import os
 import signal
@@ -17,12 +17,15 @@ import time
 import pytest
 
 from testsupport.jobs import run, train_args
+from testsupport.faults import completed_run_problems, lingering
 from testsupport.slurm import (SCRIPTS, STOPPED, completed_after_stops_problems, measured_pace,
-                               resumable_checkpoint_at_requeue, running_cluster, submit_training, time_limit_plan)
+                               resumable_checkpoint_at_requeue, running_cluster, slowed_launcher, submit_training,
+                               time_limit_plan)
 from testsupport.trees import describe
 from yolov9_ddp.shutdown import StopRequest
 
 SCRIPT_NAMES = sorted(path.name for path in SCRIPTS.glob('*.sbatch'))
+LAUNCHERS = {'multi-node.sbatch': 'srun', 'single-node.sbatch': 'torchrun'}  # what each script starts training with
 EPOCHS = 4
 JOB_DEADLINE_S = 360
 
@@ -95,6 +98,29 @@ def test_a_preempted_job_requeues_itself_and_completes_its_run(script, cluster, 
     assert saved['updates'] >= saved['previous_updates'], saved
     last = job.run_dir / 'weights' / 'last.pt'
     assert f'Resuming training from {last} at epoch {saved["epoch"] + 1} of {EPOCHS}' in job.output(), saved
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures('upstream_importable')
+@pytest.mark.parametrize('script', SCRIPT_NAMES)
+def test_a_stop_asked_for_while_the_training_starts_is_not_lost(script, cluster, patched_tree, demo_data, offline_env,
+                                                                tmp_path):
+    """A pre-emption notice that comes while the script's launcher starts (srun before its job step exists, which
+    `scancel --signal` cannot reach yet; torchrun before it handles signals) still stops the job, which requeues
+    itself and completes its run. A wrapper first on the job's PATH makes the launcher start slowly, so that the
+    notice lands there every time."""
+    started = tmp_path / 'launcher-started'
+    job = submit_training(cluster, script, patched_tree, tmp_path, demo_data, EPOCHS, offline_env,
+                          first_on_path=slowed_launcher(tmp_path / 'wrapper', LAUNCHERS[script], started))
+    job.wait_for(lambda _: started.exists(), JOB_DEADLINE_S, f'start {LAUNCHERS[script]}')
+    cluster.command('scancel', '--batch', '--signal=TERM', job.id)
+    fields = job.wait_until_ended(JOB_DEADLINE_S)
+    output = job.output()
+    assert (fields.get('JobState'), fields.get('ExitCode'), fields.get('Restarts')) == ('COMPLETED', '0:0', '1'), \
+        f'{fields}\n{output[-6000:]}'
+    assert output.count('requeueing it to continue its run') == 1, output[-6000:]
+    assert not completed_run_problems(job.project, EPOCHS), output[-6000:]
+    assert not lingering(str(job.workdir)) and not cluster.active_jobs()
 
 
 @pytest.mark.slow

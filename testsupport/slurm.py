@@ -289,11 +289,22 @@ def training_flags(data: Path, project: Path, epochs: int) -> list:
             '--device', 'cpu', '--workers', 0, '--project', project, '--noplots']
 
 
-def job_environment(cluster: Cluster, env: dict) -> dict:
+def job_environment(cluster: Cluster, env: dict, first_on_path: Path = None) -> dict:
     """The environment sbatch passes on to the job: env (offline), this Python's environment first on PATH (its
-    torchrun, as an activated virtual environment gives), gloo on loopback, and the cluster's SLURM_CONF."""
-    return {**env, 'PATH': f'{Path(sys.executable).parent}{os.pathsep}{env.get("PATH", os.defpath)}',
-            'GLOO_SOCKET_IFNAME': 'lo', **cluster.env}
+    torchrun, as an activated virtual environment gives; first_on_path, if given, before it), gloo on loopback, and
+    the cluster's SLURM_CONF."""
+    path = [*([first_on_path] if first_on_path else []), Path(sys.executable).parent, env.get('PATH', os.defpath)]
+    return {**env, 'PATH': os.pathsep.join(map(str, path)), 'GLOO_SOCKET_IFNAME': 'lo', **cluster.env}
+
+
+def slowed_launcher(folder: Path, name: str, started: Path) -> Path:
+    """folder, holding a `name` (srun, torchrun) for the front of a job's PATH that touches started, waits 3 s
+    and runs the real one: a signal sent once started exists comes while the launcher starts."""
+    folder.mkdir(parents=True, exist_ok=True)
+    wrapper = folder / name
+    wrapper.write_text(f'#!/bin/sh\ntouch {started}\nsleep 3\nPATH="${{PATH#*{os.pathsep}}}" exec {name} "$@"\n')
+    wrapper.chmod(0o755)
+    return folder
 
 
 @dataclass
@@ -337,13 +348,13 @@ class SlurmJob:
 
 
 def submit_training(cluster: Cluster, script: str, tree: Path, workdir: Path, data: Path, epochs: int, env: dict,
-                    options=()) -> SlurmJob:
+                    options=(), first_on_path: Path = None) -> SlurmJob:
     """sbatch the kit's job script from the patched tree (the job runs there), with its log in workdir."""
     project = workdir / 'runs'
     workdir.mkdir(parents=True, exist_ok=True)  # Slurm fails a job whose log folder is missing
     job_id = cluster.submit(SCRIPTS / script, *training_flags(data, project, epochs),
                             options=(*FITTING_OPTIONS[script], f'--output={workdir}/%x-%j.out', *options),
-                            cwd=tree, env=job_environment(cluster, env))
+                            cwd=tree, env=job_environment(cluster, env, first_on_path))
     return SlurmJob(cluster, job_id, workdir / f'yolov9-ddp-{job_id}.out', project, workdir)
 
 
