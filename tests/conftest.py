@@ -10,11 +10,10 @@ KIT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(KIT))  # the kit's packages (patchkit, yolov9_ddp) and testsupport
 
 from patchkit.pin import read_pin  # noqa: E402
-from testsupport.jobs import run, train_args  # noqa: E402
 from testsupport.trees import (DEMO_SPEC, PATCHES, SERIES, TINY_CFG, copy_tree, describe, git_apply,
                                offline_environment, patch_files, pinned_upstream_root,
                                run_applier, snapshot)
-from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset  # noqa: E402
+from yolov9_ddp.demo_data import ensure_demo_dataset  # noqa: E402
 
 
 # -- fixtures ------------------------------------------------------------------------------------
@@ -76,17 +75,6 @@ def offline_env(tmp_path) -> dict:
 def demo_data(tmp_path_factory) -> Path:
     """data.yaml of a small generated detection dataset (32 train, 16 val images of 64 px)."""
     return ensure_demo_dataset(tmp_path_factory.mktemp('demo') / 'data', DEMO_SPEC, log=lambda msg: None)
-
-
-@pytest.fixture(scope='session')
-def trained_weights(patched_tree, tmp_path_factory) -> Path:
-    """best.pt of a short single-process run: weights that detect something (mAP50 > 0) on the demo data."""
-    folder = tmp_path_factory.mktemp('trained')
-    data = ensure_demo_dataset(folder / 'demo', DemoSpec(train=128, val=50, imgsz=64))
-    result = run([sys.executable, 'ddp_train_dual.py', *map(str, train_args(data, folder / 'runs', 16, 8, 64))],
-                 patched_tree, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return folder / 'runs' / 'exp' / 'weights' / 'best.pt'
 
 
 @pytest.fixture(scope='session')

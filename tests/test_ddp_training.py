@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from testsupport.jobs import run_probe, save_model_state, train_args
+from testsupport.jobs import fitted_weights, run_probe, save_model_state, train_args
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 from yolov9_ddp.samplers import ShardBatchSampler, padding_per_epoch, training_sampler
 
@@ -18,6 +18,12 @@ pytestmark = pytest.mark.timeout(900)
 def dataset(tmp_path_factory):
     """48 training images (not a multiple of 5 batches of 2 ranks) and 50 validation images."""
     return ensure_demo_dataset(tmp_path_factory.mktemp('data') / 'demo', DemoSpec(train=45, val=50, imgsz=64))
+
+
+@pytest.fixture(scope='module')
+def trained_weights(patched_tree, dataset, tmp_path_factory):
+    """The tiny dual model fitted to the validation images: weights that detect something there."""
+    return fitted_weights(patched_tree, 'detect-dual', dataset, tmp_path_factory.mktemp('fitted') / 'fitted.pt')
 
 
 # -- sampler ---------------------------------------------------------------------------------------------------------

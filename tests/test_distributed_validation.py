@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from testsupport.jobs import run_distributed_val, task_cfg
+from testsupport.jobs import fitted_weights, run_distributed_val
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 from yolov9_ddp.tasks import TASKS
 
@@ -33,8 +33,8 @@ def fitted(patched_tree, polygon_data, tmp_path_factory):
 
     def fit(task):
         if task not in weights:
-            weights[task] = tmp_path_factory.mktemp(f'fit-{task}') / 'fitted.pt'
-            run_distributed_val(patched_tree, 1, 'fit', task, task_cfg(task), polygon_data, weights[task])
+            weights[task] = fitted_weights(patched_tree, task, polygon_data,
+                                           tmp_path_factory.mktemp(f'fit-{task}') / 'fitted.pt')
         return weights[task]
 
     return fit

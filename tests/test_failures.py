@@ -166,17 +166,19 @@ END_PROCESS = '''
     threading.Thread(target=late_writer).start()
     atexit.register(lambda: pathlib.Path(sys.argv[2], 'atexit').write_text('ran'))
     sys.stdout.write('the last line, not flushed')
-    failures.end_process(3)
+    failures.end_process(int(sys.argv[3]))
 '''
 
 
-def test_an_entry_point_ends_without_the_interpreter_teardown_but_with_everything_before_it(tmp_path):
-    """failures.end_process: main()'s status, the threads joined, the atexit handlers run and the output flushed,
-    but nothing freed by the interpreter's teardown (where a C++ destructor aborted a finished rank in CI)."""
-    result = subprocess.run([sys.executable, '-c', textwrap.dedent(END_PROCESS), str(KIT), str(tmp_path)],
+@pytest.mark.parametrize('status', [0, 3])
+def test_a_finished_entry_point_ends_without_the_interpreter_teardown_but_with_everything_before_it(tmp_path, status):
+    """failures.end_process: main()'s status, the threads joined, the atexit handlers run and the output flushed;
+    after a success nothing freed by the interpreter's teardown runs (where a C++ destructor aborted a finished rank
+    in CI); after a failure the teardown stays (it gives rank 0 the time to print the error line, see end_process)."""
+    result = subprocess.run([sys.executable, '-c', textwrap.dedent(END_PROCESS), str(KIT), str(tmp_path), str(status)],
                             capture_output=True, text=True, timeout=60)
-    assert result.returncode == 3, result.stderr
-    assert result.stdout == 'the last line, not flushed', result.stdout
+    assert result.returncode == status, result.stderr
+    assert result.stdout == 'the last line, not flushed' + ('' if status == 0 else 'teardown ran\n'), result.stdout
     assert (tmp_path / 'thread').read_text() == 'done' and (tmp_path / 'atexit').read_text() == 'ran'
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from testsupport.faults import completed_run_problems, kill_scenario, signal_scenario
-from testsupport.jobs import (run, run_distributed_val, run_probe, save_model_state, task_cfg, torchrun_cmd,
+from testsupport.jobs import (fitted_weights, run, run_probe, save_model_state, task_cfg, torchrun_cmd,
                               train_args)
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 from yolov9_ddp.samplers import padding_per_epoch
@@ -49,8 +49,8 @@ def fitted(patched_tree, datasets, tmp_path_factory):
 
     def fit(task):
         if task not in made:
-            made[task] = tmp_path_factory.mktemp(f'fitted-{task}') / 'fitted.pt'
-            run_distributed_val(patched_tree, 1, 'fit', task, task_cfg(task), datasets[labels_of(task)], made[task])
+            made[task] = fitted_weights(patched_tree, task, datasets[labels_of(task)],
+                                        tmp_path_factory.mktemp(f'fitted-{task}') / 'fitted.pt')
         return made[task]
     return fit
 

@@ -66,14 +66,19 @@ def end_children_at_exit():
 
 
 def end_process(status: int):
-    """Exit with main()'s status without the interpreter's teardown, which only frees memory here but frees torch's
-    C++ objects (the process group's, the autograd engine's) while Python is being dismantled: a C++ destructor that
-    runs then can abort a process whose work is done. In the kit's CI (2026-12-01) a rank whose run had completed
+    """Exit with main()'s status; once the run has succeeded (0), without the interpreter's teardown. That teardown
+    only frees memory here but frees torch's C++ objects while Python is being dismantled, and a C++ destructor that
+    runs then can abort a process whose work is done: in the kit's CI (2026-12-01) a rank whose run had completed
     died of 'terminate called without an active exception' (SIGABRT) on its way out, and torchrun reported the
-    finished run as failed (with --max-restarts it would have started it again). torch's
-    own destroy_process_group names the hazard (a destructor that finishes after the interpreter exits). Everything a
+    finished run as failed (with --max-restarts it would have started it again). torch's own
+    destroy_process_group names the hazard (a destructor that finishes after the interpreter exits). Everything a
     normal exit does before its teardown still happens, in its order: other threads are joined, the atexit handlers
-    run (logging's flush, the end of the loader workers, multiprocessing's), the standard streams are flushed."""
+    run (logging's flush, the end of the loader workers, multiprocessing's), the standard streams are flushed.
+
+    A failed rank exits normally: the teardown's half second is what lets rank 0 print the one line of an error
+    every rank saw alike before torchrun, seeing another rank gone, stops it (the others only record theirs)."""
+    if status != 0:
+        sys.exit(status)
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
@@ -83,7 +88,7 @@ def end_process(status: int):
             stream.flush()
         except (OSError, ValueError):  # a closed pipe (the reader is gone): nothing left to say there
             pass
-    os._exit(status)
+    os._exit(0)
 
 
 def cause(error: BaseException) -> tuple:
