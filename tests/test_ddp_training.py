@@ -21,7 +21,7 @@ def dataset(tmp_path_factory):
 
 
 @pytest.fixture(scope='module')
-def trained_weights(patched_tree, dataset, tmp_path_factory):
+def fitted_model(patched_tree, dataset, tmp_path_factory):
     """The tiny dual model fitted to the validation images: weights that detect something there."""
     return fitted_weights(patched_tree, 'detect-dual', dataset, tmp_path_factory.mktemp('fitted') / 'fitted.pt')
 
@@ -95,7 +95,7 @@ def test_label_cache_is_built_by_rank_0_only(sampler_runs):
 # -- DDP math --------------------------------------------------------------------------------------------------------
 
 def fixed_inputs(tree, weights, folder, duplicate_halves):
-    """Initial weights (trained ones: the loss then has positives to normalise by, see below), saved for every
+    """Initial weights (fitted ones: the loss then has positives to normalise by, see below), saved for every
     process, and one global batch of 8 images of the validation set (testsupport/probes/probe.py builds it)."""
     folder.mkdir(parents=True, exist_ok=True)
     init = save_model_state(tree, weights, folder / 'init.pt')
@@ -118,12 +118,12 @@ def changed(before_run, after_run):
 
 
 @pytest.mark.slow
-def test_one_step_1_process_batch_b_equals_2_processes_batch_b_over_2(patched_tree, dataset, trained_weights,
+def test_one_step_1_process_batch_b_equals_2_processes_batch_b_over_2(patched_tree, dataset, fitted_model,
                                                                       tmp_path):
     # Upstream's loss divides by the sum of target scores of the batch a process sees (at least 1), so 1 x B and
     # 2 x B/2 are the same objective only when both halves carry the same targets, and the sum exceeds 1 (hence
-    # trained weights): the global batch is two copies of 4 images.
-    config = fixed_inputs(patched_tree, trained_weights, tmp_path / 'in', duplicate_halves=True)
+    # weights fitted to these images): the global batch is two copies of 4 images.
+    config = fixed_inputs(patched_tree, fitted_model, tmp_path / 'in', duplicate_halves=True)
     single = step(patched_tree, dataset, tmp_path, 1, 1, config, 'single')['ranks'][0]['params']
     ddp = step(patched_tree, dataset, tmp_path, 2, 2, config, 'ddp')
     assert_same_params(ddp['ranks'][0]['params'], ddp['ranks'][1]['params'], atol=0)
@@ -133,11 +133,11 @@ def test_one_step_1_process_batch_b_equals_2_processes_batch_b_over_2(patched_tr
 
 
 @pytest.mark.slow
-def test_2_processes_equal_1_process_accumulating_the_same_micro_batches(patched_tree, dataset, trained_weights,
+def test_2_processes_equal_1_process_accumulating_the_same_micro_batches(patched_tree, dataset, fitted_model,
                                                                         tmp_path):
     # 8 different images: the gradient all-reduce and the loss scaling by world size must be right for this
     # to hold (without the all-reduce, each rank would step on its own half and the ranks would disagree).
-    config = fixed_inputs(patched_tree, trained_weights, tmp_path / 'in', duplicate_halves=False)
+    config = fixed_inputs(patched_tree, fitted_model, tmp_path / 'in', duplicate_halves=False)
     single = step(patched_tree, dataset, tmp_path, 1, 2, config, 'single')['ranks'][0]['params']
     ddp = step(patched_tree, dataset, tmp_path, 2, 2, config, 'ddp')
     assert_same_params(ddp['ranks'][0]['params'], ddp['ranks'][1]['params'], atol=0)
@@ -145,8 +145,8 @@ def test_2_processes_equal_1_process_accumulating_the_same_micro_batches(patched
 
 
 @pytest.mark.slow
-def test_accumulation_micro_steps_skip_the_gradient_all_reduce(patched_tree, dataset, trained_weights, tmp_path):
-    config = fixed_inputs(patched_tree, trained_weights, tmp_path / 'in', duplicate_halves=False)
+def test_accumulation_micro_steps_skip_the_gradient_all_reduce(patched_tree, dataset, fitted_model, tmp_path):
+    config = fixed_inputs(patched_tree, fitted_model, tmp_path / 'in', duplicate_halves=False)
     single = step(patched_tree, dataset, tmp_path, 1, 4, config, 'single')['ranks'][0]['params']
     ddp = step(patched_tree, dataset, tmp_path, 2, 4, config, 'ddp')
     first = [rank['grads_after_first_micro_step'] for rank in ddp['ranks']]
@@ -176,18 +176,18 @@ def test_ema_is_bit_identical_on_every_rank_after_every_epoch(patched_tree, data
 
 @pytest.mark.slow
 @pytest.mark.parametrize('nproc', [2, 3])
-def test_distributed_validation_equals_single_process_validation(patched_tree, dataset, trained_weights, tmp_path,
+def test_distributed_validation_equals_single_process_validation(patched_tree, dataset, fitted_model, tmp_path,
                                                                   nproc):
     # batch 8 per process: validation batches of 16, 50 images = 4 batches, split 2/2 or 1/1/2 over the ranks
     per_rank_batch = 8
     ddp = run_probe(patched_tree, nproc, 'val', tmp_path / 'ddp.json',
                     train_args(dataset, tmp_path / 'ddp', 1, per_rank_batch * nproc, 64),
-                    {'weights': str(trained_weights)})
+                    {'weights': str(fitted_model)})
     single = run_probe(patched_tree, 1, 'val', tmp_path / 'single.json',
                        train_args(dataset, tmp_path / 'single', 1, per_rank_batch, 64),
-                       {'weights': str(trained_weights)})
+                       {'weights': str(fitted_model)})
     reference = single['ranks'][0]['results'][:4]
-    assert reference[2] > 0, 'the trained weights must detect something, or the comparison proves nothing'
+    assert reference[2] > 0, 'the fitted weights must detect something, or the comparison proves nothing'
     assert sum(rank['shard_batches'] for rank in ddp['ranks']) == math.ceil(50 / (2 * per_rank_batch))
     upstream = single['ranks'][0]['upstream_results'][:4]  # val_dual.run with upstream's own dataloader
     np.testing.assert_allclose(reference, upstream, rtol=0, atol=1e-6)
