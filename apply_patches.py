@@ -141,9 +141,9 @@ def run(args, log):
         apply_as_commits(args.commits, pin, patches, log=log)
         return None, EXIT_OK
     applier = Applier(args.target, pin, patches, log=log, allow_other_revision=args.allow_other_revision)
-    operation = applier.check if args.check else applier.status if args.status else \
-        applier.revert if args.revert else applier.apply
-    return operation()
+    if args.check:
+        return applier.apply(dry_run=True)
+    return (applier.status if args.status else applier.revert if args.revert else applier.apply)()
 
 
 def interrupt(signum, frame):

@@ -216,13 +216,8 @@ class Applier:
         installed = [{'path': path, 'status': 'missing' if blob is None else 'current' if blob == current.get(path)
                       else 'older kit version' if blob == recorded.get(path) else 'edited'}
                      for path, blob in found.items() if blob or path in recorded]
-        report = {**self.report(tree, self.describe(tree)), 'journal': (self.target / JOURNAL_DIR).exists()}
-        return {**report, 'installed': installed}, EXIT_OK
-
-    def check(self):
-        """Dry run: EXIT_OK if apply would succeed (or has nothing to do), EXIT_MOVED if the tree is another
-        upstream revision on which every patch still passes (see drift.PASSES), else EXIT_FAILED."""
-        return self.apply(dry_run=True)
+        journal = (self.target / JOURNAL_DIR).exists()
+        return {**self.report(tree, self.describe(tree)), 'journal': journal, 'installed': installed}, EXIT_OK
 
     @contextlib.contextmanager
     def locked(self):
@@ -235,6 +230,8 @@ class Applier:
             yield self.inspect()
 
     def apply(self, dry_run=False):
+        """Apply, or with dry_run check: EXIT_OK if apply would succeed (or has nothing to do), EXIT_MOVED if the tree
+        is another upstream revision on which every patch still passes (see drift.PASSES), else EXIT_FAILED."""
         with contextlib.nullcontext(self.inspect()) if dry_run else self.locked() as tree:
             wanted = kit_files()
             try:

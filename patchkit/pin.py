@@ -81,18 +81,15 @@ def read_pin(path: Path = PIN_FILE) -> Pin:
     fields, sections, section = {}, {TOUCHED_SECTION: {}, TREE_SECTION: {}}, None
     for number, raw in enumerate(lines, 1):
         line = raw.split('#', 1)[0].strip()
-        if not line:
-            continue
-        if line in sections:
-            section = line
-            continue
         key, _, value = line.partition(' ')
         value = value.strip()
-        if section is None and key in ('repository', 'commit') and value:
+        if line in sections:
+            section = line
+        elif section is None and key in ('repository', 'commit') and value:
             fields[key] = value
         elif section is not None and len(key) == 40 and value:
             sections[section][value] = key
-        else:
+        elif line:
             raise PinError(f'{path}:{number}: cannot parse {raw!r}')
     missing = {'repository', 'commit'} - fields.keys()
     if missing or not sections[TOUCHED_SECTION]:

@@ -101,10 +101,5 @@ def split_commit_message(message: str):
 
 def slug(summary: str, limit=52) -> str:
     """File-name part for a summary: lower-case words joined by '-', cut at a word boundary."""
-    words = re.sub(r'[^A-Za-z0-9]+', ' ', summary).lower().split()
-    out = words[0]
-    for word in words[1:]:
-        if len(out) + 1 + len(word) > limit:
-            break
-        out += '-' + word
-    return out
+    text = '-'.join(re.sub(r'[^A-Za-z0-9]+', ' ', summary).lower().split())
+    return text if len(text) <= limit else text[:limit + 1].rsplit('-', 1)[0]

@@ -116,7 +116,7 @@ def journaled(target: Path, paths):
 
 def restore_from_journal(target: Path) -> list:
     """Undo an interrupted change; returns the restored paths ([] when there was no journal)."""
-    journal, restored = target / JOURNAL_DIR, []
+    journal = target / JOURNAL_DIR
     if not journal.exists():
         return []
     manifest_file = journal / 'manifest.json'  # without one, the change had not started: nothing to undo
@@ -131,6 +131,5 @@ def restore_from_journal(target: Path) -> list:
             shutil.copymode(copy, target / relative)
         else:
             remove_file(target, relative)
-        restored.append(relative)
     shutil.rmtree(journal)
-    return restored
+    return list(copies)

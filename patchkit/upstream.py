@@ -17,6 +17,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from patchkit.gitcmd import write_contents
 from patchkit.pin import Pin, blob_id, file_blob_id
 
 WHEELS = {'yolov9py': ('yolov9py', '1.1.0', 'yolov9/'), 'yolo9': ('yolo9', '1.0.18', 'yolo9/')}
@@ -28,10 +29,6 @@ MODULE_PREFIX = re.compile(rb'yolov9\.(classify|export|models|panoptic|segment|u
 
 class UpstreamError(Exception):
     """The pinned upstream could not be provided."""
-
-
-def _undo_prefix(data: bytes) -> bytes:
-    return MODULE_PREFIX.sub(rb'\1', data)
 
 
 def _add_elan1_class(data: bytes, wheels) -> bytes:
@@ -68,41 +65,21 @@ REPAIRS = {
 }
 
 
-def verify_tree(root: Path, blobs: dict, required=()):
-    """Compare files under root with their pinned blob ids.
-
-    Returns (matching, mismatched, missing) path lists. Paths in `required` must be present.
-    """
-    matching, mismatched, missing = [], [], []
-    for path, expected in sorted(blobs.items()):
-        found = file_blob_id(root / path)
-        if found is None:
-            missing.append(path)
-        elif found == expected:
-            matching.append(path)
-        else:
-            mismatched.append(path)
-    absent_required = sorted(set(required) & set(missing))
-    return matching, mismatched, missing, absent_required
-
-
 def download_wheels(dest: Path, log=print) -> dict:
     """Download the two wheels (without installing them) and return {name: wheel path}."""
     dest.mkdir(parents=True, exist_ok=True)
     found = {}
     for key, (name, version, _) in WHEELS.items():
         pattern = f'{name}-{version}-*.whl'
-        wheel = next(iter(sorted(dest.glob(pattern))), None)
-        if wheel is None:
+        if not any(dest.glob(pattern)):
             log(f'downloading {name}=={version} from PyPI')
             cmd = [sys.executable, '-m', 'pip', 'download', '--quiet', '--no-deps', '--only-binary', ':all:',
                    f'{name}=={version}', '-d', str(dest)]
             result = subprocess.run(cmd, capture_output=True, text=True)
-            wheel = next(iter(sorted(dest.glob(pattern))), None)
-            if result.returncode or wheel is None:
+            if result.returncode or not any(dest.glob(pattern)):
                 detail = (result.stderr.strip().splitlines() or ['no wheel found'])[-1]
                 raise UpstreamError(f'cannot download {name}=={version} from PyPI: {detail}')
-        found[key] = wheel
+        found[key] = min(dest.glob(pattern))
     return found
 
 
@@ -119,29 +96,16 @@ def rebuild_from_wheels(pin: Pin, dest: Path, wheel_dir: Path, log=print) -> lis
     """
     paths = download_wheels(wheel_dir, log)
     wheels = {key: _read_wheel(paths[key], WHEELS[key][2]) for key in WHEELS}
-    unavailable = []
-    for path, expected in sorted(pin.all_blobs.items()):
-        data = _wheel_copy_of(path, expected, wheels)
-        if data is None:
-            unavailable.append(path)
-            continue
-        target = dest / path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-    return unavailable
+    copies = {path: _wheel_copy_of(path, expected, wheels) for path, expected in sorted(pin.all_blobs.items())}
+    write_contents(dest, copies)
+    return [path for path, data in copies.items() if data is None]
 
 
 def _wheel_copy_of(path: str, expected: str, wheels):
     """The bytes of the pinned file, from whichever wheel holds a copy that verifies, or None."""
     repair = REPAIRS.get(path, lambda data, _: data)
-    for key in WHEELS:
-        data = wheels[key].get(path)
-        if data is None:
-            continue
-        candidates = [data]
-        if path.endswith('.py'):
-            candidates.insert(0, _undo_prefix(data))
-        for candidate in candidates:
+    for data in filter(None, (wheels[key].get(path) for key in WHEELS)):
+        for candidate in (MODULE_PREFIX.sub(rb'\1', data), data):
             for attempt in (candidate, repair(candidate, wheels)):
                 if blob_id(attempt) == expected:
                     return attempt
@@ -196,7 +160,7 @@ def provide_upstream(pin: Pin, dest: Path, source='auto', wheel_dir: Path = None
             return kind
         except UpstreamError as e:
             failures.append(f'{kind}: {e}')
-            if len(order) > 1 and kind != order[-1]:
+            if kind != order[-1]:
                 log(f'{kind} did not work ({e}); trying the next source')
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -204,11 +168,13 @@ def provide_upstream(pin: Pin, dest: Path, source='auto', wheel_dir: Path = None
 
 
 def check_provided_tree(pin: Pin, root: Path, unavailable=()):
-    _, mismatched, missing, absent_required = verify_tree(root, pin.all_blobs, required=pin.touched)
-    unexpected_missing = sorted(set(missing) - set(unavailable))
-    if mismatched or unexpected_missing or absent_required:
-        problems = mismatched + unexpected_missing + absent_required
-        raise UpstreamError(f'{len(problems)} files do not match the pin: {", ".join(sorted(set(problems))[:8])}')
+    """Refuses root unless every pinned file in it has its blob id and only `unavailable` files are missing (never
+    one the series touches)."""
+    excused = set(unavailable) - set(pin.touched)
+    problems = [path for path, expected in sorted(pin.all_blobs.items()) for found in [file_blob_id(root / path)]
+                if found != expected and not (found is None and path in excused)]
+    if problems:
+        raise UpstreamError(f'files that do not match the pin ({len(problems)}): {", ".join(problems[:8])}')
 
 
 def default_cache_dir() -> Path:

@@ -398,6 +398,18 @@ def test_refuses_a_patch_file_without_its_dep3_header(pristine_tree, tmp_path):
     assert_refused(run_applier(pristine_tree, kit=kit), before, pristine_tree, SERIES[1], 'Upstream-Status')
 
 
+@pytest.mark.parametrize('damage, facts', [
+    (lambda text: text.replace('\ncommit ', '\ncommitted ', 1), ['UPSTREAM:', 'cannot parse', 'committed']),
+    (lambda text: re.sub(r'(?m)^commit .*\n', '', text), ['UPSTREAM', 'missing commit']),
+], ids=['a-line-it-cannot-parse', 'no-commit'])
+def test_refuses_a_damaged_pin_file_and_says_what_is_wrong(pristine_tree, tmp_path, damage, facts):
+    kit = copy_kit(tmp_path / 'kit')
+    pin_file = kit / 'patches' / 'UPSTREAM'
+    pin_file.write_text(damage(pin_file.read_text()))
+    before = snapshot(pristine_tree)
+    assert_refused(run_applier(pristine_tree, kit=kit), before, pristine_tree, *facts)
+
+
 def test_refuses_while_another_applier_holds_the_tree(pristine_tree, monkeypatch):
     before = snapshot(pristine_tree)
     monkeypatch.setattr(tempfile, 'tempdir', str(pristine_tree.parent))  # the applier's TMPDIR (run_applier)

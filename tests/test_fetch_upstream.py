@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from testsupport.trees import KIT, cache_dir, describe, file_lock, snapshot, upstream_problems
-from patchkit.upstream import UpstreamError, check_provided_tree, download_wheels, verify_tree
+from patchkit.upstream import UpstreamError, check_provided_tree, download_wheels
 
 
 def run_fetch(dest, *args, env):
@@ -102,22 +102,21 @@ def test_fetch_auto_falls_back_to_pypi_when_git_is_offline(pin, wheels, offline_
     assert [p.name for p in parent.iterdir()] == ['upstream'], 'a temporary folder was left behind'
 
 
-def test_verify_tree_catches_a_one_byte_change(pin, pristine_tree):
+def absent_files(root, pin) -> list:
+    return [path for path in pin.all_blobs if not (root / path).is_file()]
+
+
+def test_the_tree_check_catches_a_one_byte_change(pin, pristine_tree):
     path = 'models/yolo.py'
-    matching, mismatched, missing, _ = verify_tree(pristine_tree, pin.all_blobs, required=pin.touched)
-    assert mismatched == [] and path in matching
+    check_provided_tree(pin, pristine_tree, absent_files(pristine_tree, pin))
     data = bytearray((pristine_tree / path).read_bytes())
     data[len(data) // 2] ^= 0x01  # one bit of one byte
     (pristine_tree / path).write_bytes(bytes(data))
-    matching, mismatched, missing, _ = verify_tree(pristine_tree, pin.all_blobs, required=pin.touched)
-    assert mismatched == [path] and path not in matching
-    with pytest.raises(UpstreamError, match='models/yolo.py'):
-        check_provided_tree(pin, pristine_tree, missing)
+    with pytest.raises(UpstreamError, match=r'^files that do not match the pin \(1\): models/yolo.py$'):
+        check_provided_tree(pin, pristine_tree, absent_files(pristine_tree, pin))
 
 
-def test_verify_tree_requires_every_touched_file(pin, pristine_tree):
+def test_the_tree_check_requires_every_touched_file_even_one_called_unavailable(pin, pristine_tree):
     (pristine_tree / 'utils' / 'metrics.py').unlink()
-    *_, missing, absent_required = verify_tree(pristine_tree, pin.all_blobs, required=pin.touched)
-    assert absent_required == ['utils/metrics.py']
-    with pytest.raises(UpstreamError, match='utils/metrics.py'):
-        check_provided_tree(pin, pristine_tree, missing)
+    with pytest.raises(UpstreamError, match=r'^files that do not match the pin \(1\): utils/metrics.py$'):
+        check_provided_tree(pin, pristine_tree, absent_files(pristine_tree, pin))
