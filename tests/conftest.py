@@ -10,6 +10,7 @@ KIT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(KIT))  # the kit's packages (patchkit, yolov9_ddp) and testsupport
 
 from patchkit.pin import read_pin  # noqa: E402
+from testsupport.cores import cores_for  # noqa: E402
 from testsupport.trees import (DEMO_SPEC, PATCHES, SERIES, TINY_CFG, copy_tree, describe, git_apply,
                                offline_environment, patch_files, pinned_upstream_root,
                                run_applier, snapshot)
@@ -96,3 +97,18 @@ def tree_without(pinned_upstream, tmp_path_factory):
         return built[number]
 
     return build
+
+
+# -- two workers on two cores (pytest -n 2, as run-tests.sh runs the suite) -----------------------------------
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A multi-process test has the machine to itself, its fixtures included (testsupport/cores.py)."""
+    with cores_for(item):
+        return (yield)
+
+
+def pytest_collection_modifyitems(items):
+    """One worker runs a module's tests (--dist loadgroup), so a module's fixtures (trainings, trees) are built once."""
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(item.nodeid.split('::')[0]))

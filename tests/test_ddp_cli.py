@@ -268,6 +268,7 @@ def test_rank_0_logs_and_shows_progress(logged_job):
     assert 'must be multiple of max stride 32, updating to 96' in out
 
 
+@pytest.mark.cores
 def test_other_ranks_print_only_warnings_and_errors_with_their_rank(logged_job):
     outputs = logged_job['outputs']
     assert sorted(outputs) == [0, 1]

@@ -77,6 +77,7 @@ def test_each_training_image_is_drawn_once_per_epoch_across_ranks(sampler_runs):
         assert len(drawn) - len(files) == padding_per_epoch(len(files), 2) == 1  # 45 images on 2 ranks
 
 
+@pytest.mark.cores
 def test_order_changes_every_epoch_and_repeats_with_the_same_seed(sampler_runs):
     first, again, other_seed = sampler_runs
     orders = [[rank['epochs'][e] for rank in first['ranks']] for e in range(3)]
@@ -85,6 +86,7 @@ def test_order_changes_every_epoch_and_repeats_with_the_same_seed(sampler_runs):
     assert [r['epochs'] for r in first['ranks']] != [r['epochs'] for r in other_seed['ranks']]
 
 
+@pytest.mark.cores
 def test_label_cache_is_built_by_rank_0_only(sampler_runs):
     first, again, _ = sampler_runs
     builds = [b for rank in first['ranks'] for b in rank['cache_builds']]
@@ -156,6 +158,7 @@ def test_accumulation_micro_steps_skip_the_gradient_all_reduce(patched_tree, dat
 
 # -- EMA ---------------------------------------------------------------------------------------------------------------
 
+@pytest.mark.cores
 def test_ema_is_bit_identical_on_every_rank_after_every_epoch(patched_tree, dataset, tmp_path):
     args = train_args(dataset, tmp_path / 'runs', 2, 4, 64, '--noval')
     report = run_probe(patched_tree, 2, 'ema', tmp_path / 'ema.json', args)

@@ -337,7 +337,7 @@ def test_workflow_runs_weekly_and_on_demand_kit_files_only_and_never_names_the_p
     assert {'apply_patches.py', 'fetch_upstream.py'} <= set(files)
     assert [f for f in files if not (KIT / f).is_file()] == []
     assert '--check --json' in scripts and '--check --markdown' in scripts and 'GITHUB_STEP_SUMMARY' in scripts
-    assert 'python -m pytest -q tests' in scripts and 'YOLOV9_UPSTREAM' in str(steps)
+    assert 'python -m pytest -q -n 2 --dist loadgroup tests' in scripts and 'YOLOV9_UPSTREAM' in str(steps)
     assert any(step.get('with', {}).get('python-version') == '3.11' for step in steps.values())
     assert any(step.get('uses', '').startswith('actions/upload-artifact') for step in steps.values())
     assert 'patches/UPSTREAM' in text or 'read_pin' in text
@@ -346,6 +346,17 @@ def test_workflow_runs_weekly_and_on_demand_kit_files_only_and_never_names_the_p
         if 'run' in step:
             parsed = subprocess.run(['bash', '-n'], input=step['run'], text=True, capture_output=True)
             assert parsed.returncode == 0, f'step {name}: {parsed.stderr}'
+
+
+def test_workflow_actions_are_pinned_to_commits_and_checkout_keeps_no_token():
+    """A workflow linter's findings: a tag can be moved to other code, and checkout's token stays in .git/config."""
+    uses = re.findall(r'(?m)^\s*(?:- )?uses:\s*(\S+)(.*)$', WORKFLOW.read_text())
+    assert len(uses) == 3
+    for action, comment in uses:
+        assert re.fullmatch(r'[\w-]+/[\w-]+@[0-9a-f]{40}', action), f'{action} is not pinned to a commit'
+        assert re.fullmatch(r'\s*# v\d+\.\d+\.\d+', comment), f'{action}: no version comment'
+    checkout = next(step for step in workflow_steps().values() if step.get('uses', '').startswith('actions/checkout'))
+    assert checkout['with']['persist-credentials'] is False
 
 
 def run_step(step: dict, temp: Path, **env) -> subprocess.CompletedProcess:

@@ -71,11 +71,13 @@ def test_local_rank_0_decodes_every_image_once_for_the_node(probe_runs):
     assert all(r['images'] == {'train': 'SharedImages', 'val': 'SharedImages'} for r in ranks)
 
 
+@pytest.mark.cores
 def test_every_rank_sees_upstreams_ram_cache_bit_for_bit(probe_runs, upstream_digests):
     for rank in probe_runs(2)['ranks']:
         assert rank['digests'] == upstream_digests
 
 
+@pytest.mark.cores
 def test_the_node_holds_one_copy_with_two_ranks_as_with_one(probe_runs):
     one, two = probe_runs(1)['ranks'][0]['node'], probe_runs(2)['ranks'][0]['node']
     assert one['cache_files'] == two['cache_files'] == 2, 'one cache file each for the train and the val images'

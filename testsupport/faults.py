@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from testsupport.imagecache import parent_of
-from testsupport.jobs import job_env, run, task_cfg, torchrun_cmd, train_args
+from testsupport.jobs import TORCHRUN, job_env, run, task_cfg, torchrun_cmd, train_args
 from testsupport.trees import TINY_CFG
 
 DUAL = 'detect-dual'  # the task of ddp_train_dual.py (yolov9_ddp.tasks), the default of every scenario
@@ -94,7 +94,7 @@ def faulty_launch(nproc, args) -> list:
 
 def node_cmd(nnodes: int, endpoint: str, run_id: str, *args) -> list:
     """One node's torchrun agent of a multi-node job (one process per node), c10d rendezvous at endpoint."""
-    return [sys.executable, '-m', 'torch.distributed.run', '--nnodes', nnodes, '--nproc_per_node', 1,
+    return [sys.executable, TORCHRUN, '--nnodes', nnodes, '--nproc_per_node', 1,
             '--rdzv-backend', 'c10d', '--rdzv-endpoint', endpoint, '--rdzv-id', run_id, *args]
 
 

@@ -7,8 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from testsupport.cores import check_machine_wide
 from testsupport.trees import TINY_CFG
 
+TORCHRUN = Path(__file__).resolve().parent / 'torchrun.py'  # torchrun with the grace period set below
 PROBE = Path(__file__).resolve().parent / 'probes' / 'probe.py'
 DISTRIBUTED_VAL = Path(__file__).resolve().parent / 'probes' / 'distributed_val.py'
 
@@ -20,16 +22,18 @@ def free_port() -> int:
 
 
 def job_env(**extra) -> dict:
-    """Environment for a job: gloo on loopback, one thread per process (2 cores run several processes)."""
+    """Environment for a job: gloo on loopback, one thread per process (2 cores run several processes), and a
+    worker that ignores torchrun's SIGTERM killed after 10 s instead of 30 (testsupport/torchrun.py)."""
     env = {**os.environ, 'GLOO_SOCKET_IFNAME': 'lo', 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1',
-           'MPLBACKEND': 'Agg', 'YOLOv5_VERBOSE': 'True',
+           'MPLBACKEND': 'Agg', 'YOLOv5_VERBOSE': 'True', 'TORCH_ELASTIC_SHUTDOWN_TIMEOUT': '10',
            'PYTHONFAULTHANDLER': '1'}  # a process that crashes (SIGABRT, SIGSEGV) prints where it was
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
 
 def torchrun_cmd(nproc: int, *args, launcher=('--nnodes', '1')) -> list:
-    return [sys.executable, '-m', 'torch.distributed.run', *launcher, '--nproc_per_node', str(nproc),
+    check_machine_wide(nproc)
+    return [sys.executable, TORCHRUN, *launcher, '--nproc_per_node', str(nproc),
             '--master_addr', '127.0.0.1', '--master_port', str(free_port()), *map(str, args)]
 
 

@@ -1,0 +1,56 @@
+"""Two pytest-xdist workers on 2 cores, without oversubscribing them: a test that runs multi-process jobs (marked
+`slow` or `cores`) has the machine to itself, while the other tests run two at a time. Their timings, and the
+deadlines the fault tests derive from them, stay those of a machine that runs one job.
+
+A reader-writer lock on two files shared by the workers of one run, writer-preferring: a machine-wide test waits
+for the tests already running while holding the gate, so no new test starts beside it in the meantime."""
+import contextlib
+import fcntl
+import os
+import tempfile
+from pathlib import Path
+
+MACHINE_WIDE = ('slow', 'cores')  # the markers of tests that use every core
+SHARE = 'YOLOV9_TEST_CORES'  # 'machine' or 'shared': what the running test holds (jobs.torchrun_cmd checks it)
+
+
+def lock_folder() -> Path:
+    run = os.environ.get('PYTEST_XDIST_TESTRUNUID', 'solo')
+    folder = Path(tempfile.gettempdir()) / f'yolov9-ddp-cores-{run}'
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+@contextlib.contextmanager
+def flocked(path: Path, mode: int):
+    with open(path, 'a') as f:
+        fcntl.flock(f, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def cores_for(item):
+    """Hold the machine (or a share of it) while item runs; nothing to hold without xdist."""
+    machine_wide = any(item.get_closest_marker(name) for name in MACHINE_WIDE)
+    if 'PYTEST_XDIST_WORKER' not in os.environ:
+        yield
+        return
+    folder = lock_folder()
+    os.environ[SHARE] = 'machine' if machine_wide else 'shared'
+    try:
+        with contextlib.ExitStack() as held:
+            with flocked(folder / 'gate', fcntl.LOCK_EX):  # no new test passes a machine-wide one waiting here
+                held.enter_context(flocked(folder / 'cores', fcntl.LOCK_EX if machine_wide else fcntl.LOCK_SH))
+            yield
+    finally:
+        del os.environ[SHARE]
+
+
+def check_machine_wide(nproc: int):
+    """A test running a multi-process job beside another test would slow both and make deadlines flaky."""
+    if nproc > 1 and os.environ.get(SHARE) == 'shared':
+        raise AssertionError(f'a test that runs {nproc} processes must be marked slow or cores '
+                             f'(testsupport/cores.py)')
