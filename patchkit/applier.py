@@ -182,8 +182,8 @@ class Applier:
     def other_revision_error(self, tree, reports) -> TreeError:
         pin, moved = f'check out the pin (git checkout {self.pin.commit})', counts(reports) and f' ({counts(reports)})'
         return TreeError(self.mismatch(tree), drift=reports, hint=(
-            f'the series does not apply to this tree ({", ".join(failing(reports))}): {pin} or see "When upstream '
-            f'moves" in the README' if failing(reports) else f'this tree is another upstream revision (or a copy with '
+            f'the series does not apply to this tree ({", ".join(failing(reports))}): {pin} or see docs/applier.md, '
+            f'"When upstream moves"' if failing(reports) else f'this tree is another upstream revision (or a copy with '
             f'edits) on which every patch still applies{moved}: add {ALLOW_FLAG} to apply the series anyway, or {pin}'))
 
     def mismatch(self, tree) -> str:
@@ -204,7 +204,8 @@ class Applier:
         if not all(tree.committed.get(f['path']) == f['expected'] for f in tree.files):
             message += ('; or this is another upstream revision that already contains those fixes (no git history '
                         'tells the two apart)')
-            hint = f'if you applied them by hand, {hint}; if another revision, see "When upstream moves" in the README'
+            hint = (f'if you applied them by hand, {hint}; if another revision, see docs/applier.md, '
+                    '"When upstream moves"')
         return TreeError(message, hint, drift=drift.replay_series(tree.contents, self.patches)[0])
 
     # -- operations ----------------------------------------------------------------------------

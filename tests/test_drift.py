@@ -1,5 +1,5 @@
 """The drift report against upstream revisions that are not the pin, the CI workflow that runs it, and the
-maintainers' refresh path of the README ("When upstream moves").
+maintainers' refresh path of docs/applier.md ("When upstream moves").
 
 Each scenario makes a git repository of the pinned tree and commits a change that simulates upstream moving:
 lines inserted above a hunk, a context line changed, a fix merged upstream, a touched file deleted or renamed.
@@ -22,7 +22,7 @@ from testsupport.trees import (KIT, PATCHES, SERIES, clean_env, commit_upstream,
                                make_git_repo, run_applier, snapshot)
 
 WORKFLOW = KIT / '.github' / 'workflows' / 'upstream-regression.yml'
-README = KIT / 'README.md'
+APPLIER_DOC = KIT / 'docs' / 'applier.md'
 # The lines the scenarios move, as the pinned files have them (each occurs once in its file).
 METRICS_CONTEXT = "    method = 'interp'  # methods: 'continuous', 'interp'\n"  # first context line of 0006's hunk
 METRICS_CHANGED = 'ap = np.trapz(np.interp(x, mrec, mpre), x)  # integrate\n'  # the line 0006 changes
@@ -421,13 +421,13 @@ def test_workflow_reports_both_trees_and_fails_only_when_a_patch_stops_applying(
     assert result.returncode == 1 and '::error::' in result.stdout, describe(result)
 
 
-# -- the refresh path of the README --------------------------------------------------------------
+# -- the refresh path of docs/applier.md ---------------------------------------------------------
 
-def test_the_readme_refresh_path_carries_the_series_onto_a_new_upstream(pinned_upstream, tmp_path):
-    section = README.read_text().split('## When upstream moves', 1)[1].split('\n## ', 1)[0]
+def test_the_documented_refresh_path_carries_the_series_onto_a_new_upstream(pinned_upstream, tmp_path):
+    section = APPLIER_DOC.read_text().split('## When upstream moves', 1)[1].split('\n## ', 1)[0]
     for command in ('apply_patches.py --commits', 'rebase', 'sed -i "s/^commit .*/commit $new/" patches/UPSTREAM',
                     'apply_patches.py --refresh', 'YOLOV9_UPSTREAM="$clone" ./run-tests.sh'):
-        assert command in section, f'the README no longer says {command!r}'
+        assert command in section, f'docs/applier.md no longer says {command!r}'
     # A copy of the kit, since --refresh writes patches/. The real pin cannot be recreated offline: the
     # clone's root commit holds the pinned tree and stands in for it in the copy's patches/UPSTREAM.
     kit = copy_kit(tmp_path / 'kit')

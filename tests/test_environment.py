@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(600)
 
 PRETEND = Path(__file__).resolve().parents[1] / 'testsupport' / 'pretend'
 DEADLINE_S = 120  # a refused launch ends in seconds; a hang fails the test here
-OPENCV = {'opencv-python', 'opencv-python-headless'}  # the user's choice (README, "Your Python environment")
+OPENCV = {'opencv-python', 'opencv-python-headless'}  # the user's choice (docs/clone.md, "Your Python environment")
 # pandas 3 requires numpy >= 2: without the bound, pip upgrades the numpy of a numpy-1 environment to add pandas
 UPPER_BOUNDS = {'pandas'}
 

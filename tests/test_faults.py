@@ -4,7 +4,7 @@ signalled, stalled, restarted, and fed damaged checkpoints and datasets.
 Faults come from outside the production code: testsupport/probes/faulty_train.py runs ddp_train_dual.main() with
 some of its functions wrapped (a SIGKILL mid-step, mid-validation, half-way through a checkpoint file; a rank that
 hangs before a collective) and records what each rank did. The scenarios live in testsupport/faults.py, shared with
-bench/reliability.py, which runs them repeatedly for the README's "Reliability" table.
+bench/reliability.py, which runs them repeatedly for the table of docs/reliability.md.
 
 Covered elsewhere, not repeated here: labels with a class >= nc (tests/test_ddp_errors.py,
 test_labels_with_a_class_beyond_nc and test_every_rank_exits_by_itself_on_labels_beyond_nc); the applier killed
@@ -153,7 +153,7 @@ def test_a_resume_reads_the_run_options_safely_on_a_slow_shared_filesystem(patch
                                                                           tmp_path):
     """Rank 0 rewrites the run's opt.yaml when it sets up a resumed run. With a slow filesystem (the rewrite takes
     5 s) and a rank 1 that is 1.5 s late, every rank must still start from the run's options, not read the file
-    while rank 0 is writing it (README: nodes need not even share the run folder)."""
+    while rank 0 is writing it (docs/clone.md: nodes need not even share the run folder)."""
     outcome = slow_filesystem_resume_scenario(patched_tree, dataset, tmp_path, source=interrupted)
     assert not outcome.problems, outcome.describe()
 

@@ -2,7 +2,7 @@
 # tools/make-venv.sh VENV CONSTRAINTS [REQUIREMENTS-FILE...]
 # Create VENV if needed and install requirements.txt (and the given requirement files) at the exact versions of
 # CONSTRAINTS (constraints/newest.txt or constraints/oldest.txt), then an OpenCV where none imports: OpenCV is the
-# user's choice and not in requirements.txt (README, "Your Python environment"); the kit's own venvs take
+# user's choice and not in requirements.txt (docs/clone.md, "Your Python environment"); the kit's own venvs take
 # opencv-python-headless at the version CONSTRAINTS pins. Used by run-tests.sh, run-demo.sh and .ci/run.
 #
 # The wheels are kept in ~/.cache/pip/yolov9-ddp/NAME (NAME: the constraints file's; delete it to reclaim the

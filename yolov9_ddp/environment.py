@@ -36,7 +36,7 @@ def unsupported_reason() -> str:
     if release(torch.__version__) < TORCH_FLOOR:
         floor = '.'.join(map(str, TORCH_FLOOR))
         return (f'yolov9-ddp needs torch >= {floor} (found {torch.__version__}): upgrade torch '
-                f'(pick the build for your CUDA driver, see README "Your Python environment")')
+                f'(pick the build for your CUDA driver, see docs/clone.md, "Your Python environment")')
     try:
         importlib.import_module('cv2')  # upstream's modules import it at module level
     except ImportError as e:

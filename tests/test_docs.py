@@ -1,0 +1,89 @@
+"""The README is a front page of at most 15,000 bytes, and every local link in it and in docs/ resolves: the file
+exists, and a #fragment names a heading of the target by GitHub's slug rules. Text only, no subprocesses."""
+import re
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+
+KIT = Path(__file__).resolve().parents[1]
+README = KIT / 'README.md'
+PAGES = [README, *sorted((KIT / 'docs').glob('*.md'))]
+FRONT_PAGE_BYTES = 15_000
+
+FENCED = re.compile(r'^ {0,3}(`{3,}|~{3,}).*?^ {0,3}\1[`~]*[ \t]*$', re.M | re.S)  # a fenced code block
+CODE_SPAN = re.compile(r'(`+)(?!`).+?(?<!`)\1(?!`)', re.S)
+TARGETS = (re.compile(r'\]\(\s*<?([^)\s>]*)>?(?:\s+"[^"]*")?\s*\)'),  # [text](target "title"), images too
+           re.compile(r'^ {0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)', re.M),  # [ref]: target
+           re.compile(r'\bhref="([^"]*)"'))
+HEADING = re.compile(r'^ {0,3}#{1,6}[ \t]+(.*?)(?:[ \t]+#+)?[ \t]*$', re.M)
+EXTERNAL = re.compile(r'^([a-z][a-z0-9+.-]*:|//)', re.I)  # https:, mailto:, ...
+
+
+def prose(text: str) -> str:
+    """The text without code, where brackets and '#' lines are not Markdown."""
+    return CODE_SPAN.sub('', FENCED.sub('', text))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: its text (a link's text, no code marks), lowercased, every character but
+    letters, digits, '-', '_' and spaces dropped, spaces turned into '-'."""
+    text = re.sub(r'!?\[([^\]]*)\]\([^)]*\)', r'\1', heading).lower()
+    return re.sub(r'[^\w\- ]', '', text).replace(' ', '-')
+
+
+def anchors(page: Path) -> set:
+    """The anchors of a page's headings; a repeated one gets -1, -2, ... as on GitHub."""
+    seen, found = {}, set()
+    for match in HEADING.finditer(FENCED.sub('', page.read_text(encoding='utf-8'))):
+        base = slug(match.group(1))
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        found.add(base if count == 0 else f'{base}-{count}')
+    return found
+
+
+def local_links(page: Path) -> list:
+    text = prose(page.read_text(encoding='utf-8'))
+    return [target for pattern in TARGETS for target in pattern.findall(text)
+            if target and not EXTERNAL.match(target)]
+
+
+def broken(page: Path) -> list:
+    """Each local link of the page that does not resolve, with why."""
+    problems = []
+    for target in local_links(page):
+        path, _, fragment = target.partition('#')
+        file = (page.parent / unquote(path)).resolve() if path else page
+        if not file.exists():
+            problems.append(f'{target}: no such file {file}')
+        elif fragment and file.suffix != '.md':
+            problems.append(f'{target}: a fragment into a file that is not Markdown cannot be checked')
+        elif fragment and unquote(fragment).lower() not in anchors(file):
+            problems.append(f'{target}: no heading of {file.name} has the anchor #{fragment}')
+    return problems
+
+
+def test_the_readme_is_a_front_page():
+    size = README.stat().st_size
+    assert size <= FRONT_PAGE_BYTES, f'README.md is {size} bytes, more than {FRONT_PAGE_BYTES}: move text to docs/'
+
+
+@pytest.mark.parametrize('page', PAGES, ids=lambda page: str(page.relative_to(KIT)))
+def test_every_local_link_resolves(page):
+    assert local_links(page) or page != README, 'no link found in README.md: is the link pattern still right?'
+    problems = broken(page)
+    assert not problems, f'{page.relative_to(KIT)}:\n' + '\n'.join(problems)
+
+
+def test_every_page_of_docs_is_linked_from_the_readme():
+    linked = {(README.parent / target.partition('#')[0]).resolve() for target in local_links(README)}
+    unlinked = [page.name for page in PAGES[1:] if page.resolve() not in linked]
+    assert not unlinked, f'docs/ pages the README does not link to: {unlinked}'
+
+
+def test_the_slug_rules_are_githubs():
+    assert slug('When upstream moves') == 'when-upstream-moves'
+    assert slug('Round 2, first GPU session (2026-12-01): one H200') == 'round-2-first-gpu-session-2026-12-01-one-h200'
+    assert slug("What you get over upstream's `train_dual.py`") == 'what-you-get-over-upstreams-train_dualpy'
+    assert slug('CI: the oldest versions first') == 'ci-the-oldest-versions-first'
