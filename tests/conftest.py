@@ -1,10 +1,12 @@
 """The fixtures of the yolov9-ddp tests. Plain helpers live in the package testsupport/ (shared with bench/):
 trees.py (the pinned upstream, copies, snapshots, subprocesses), jobs.py (torchrun jobs and probes),
 faults.py (the fault scenarios)."""
+import os
 import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 KIT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(KIT))  # the kit's packages (patchkit, yolov9_ddp) and testsupport
@@ -14,6 +16,7 @@ from testsupport.cores import cores_for  # noqa: E402
 from testsupport.trees import (DEMO_SPEC, PATCHES, SERIES, TINY_CFG, copy_tree, describe, git_apply,
                                offline_environment, patch_files, pinned_upstream_root,
                                run_applier, snapshot)
+from testsupport.jobs import TASK_DATASETS, fitted_weights, labels_of  # noqa: E402
 from yolov9_ddp.demo_data import ensure_demo_dataset  # noqa: E402
 
 
@@ -76,6 +79,38 @@ def offline_env(tmp_path) -> dict:
 def demo_data(tmp_path_factory) -> Path:
     """data.yaml of a small generated detection dataset (32 train, 16 val images of 64 px)."""
     return ensure_demo_dataset(tmp_path_factory.mktemp('demo') / 'data', DEMO_SPEC, log=lambda msg: None)
+
+
+@pytest.fixture(scope='session')
+def run_folder(tmp_path_factory) -> Path:
+    """A folder every pytest-xdist worker of this run shares (each worker's own base temp lies in it): what is
+    built there under a file lock is built once per run, not once per worker."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if 'PYTEST_XDIST_WORKER' in os.environ else base
+
+
+@pytest.fixture(scope='session')
+def task_datasets(run_folder) -> dict:
+    """{'boxes': data.yaml, 'polygons': data.yaml}: the generated datasets of TASK_DATASETS."""
+    with FileLock(run_folder / 'task-datasets.lock'):
+        return {kind: ensure_demo_dataset(run_folder / 'task-datasets' / kind, spec, log=lambda msg: None)
+                for kind, spec in TASK_DATASETS.items()}
+
+
+@pytest.fixture(scope='session')
+def fitted(patched_tree, task_datasets, run_folder):
+    """fitted(task): the task's tiny model fitted to the validation images of its dataset (testsupport.jobs.
+    fitted_weights), once per run: weights that find something, so the loss has positives to normalise by and the
+    metrics are not all zero."""
+    def fit(task: str) -> Path:
+        weights = run_folder / 'fitted' / f'{task}.pt'
+        with FileLock(f'{weights}.lock'):
+            if not weights.exists():
+                weights.parent.mkdir(exist_ok=True)
+                part = fitted_weights(patched_tree, task, task_datasets[labels_of(task)], weights.with_suffix('.part'))
+                part.replace(weights)  # a fit killed half way is never taken for a whole one
+        return weights
+    return fit
 
 
 @pytest.fixture(scope='session')

@@ -7,23 +7,22 @@ import numpy as np
 import pytest
 import torch
 
-from testsupport.jobs import fitted_weights, run_probe, save_model_state, train_args
-from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
+from testsupport.jobs import run_probe, save_model_state, train_args
 from yolov9_ddp.samplers import ShardBatchSampler, padding_per_epoch, training_sampler
 
 pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope='module')
-def dataset(tmp_path_factory):
-    """48 training images (not a multiple of 5 batches of 2 ranks) and 50 validation images."""
-    return ensure_demo_dataset(tmp_path_factory.mktemp('data') / 'demo', DemoSpec(train=45, val=50, imgsz=64))
+def dataset(task_datasets):
+    """45 training images (not a multiple of 5 batches of 2 ranks) and 50 validation images."""
+    return task_datasets['boxes']
 
 
 @pytest.fixture(scope='module')
-def fitted_model(patched_tree, dataset, tmp_path_factory):
+def fitted_model(fitted):
     """The tiny dual model fitted to the validation images: weights that detect something there."""
-    return fitted_weights(patched_tree, 'detect-dual', dataset, tmp_path_factory.mktemp('fitted') / 'fitted.pt')
+    return fitted('detect-dual')
 
 
 # -- sampler ---------------------------------------------------------------------------------------------------------

@@ -3,52 +3,36 @@ val_triple.py, segment/val.py and segment/val_dual.py. With run(..., distributed
 contiguous shard of whole batches (the kit's ShardBatchSampler) and every rank must get the metrics, per-class
 mAPs and mean losses one process gets over the whole set, to 1e-6 (segmentation: box and mask metrics).
 
-The model is the kit's tiny config for the task, fitted for a few steps to the validation images by
-testsupport/probes/distributed_val.py, so that the metrics compared are not all zero.
+The model is the kit's tiny config for the task, fitted to the validation images of its dataset (the session's
+`fitted` fixture), so that the metrics compared are not all zero.
 """
 import json
+import math
 
 import pytest
 
-from testsupport.jobs import fitted_weights, run_distributed_val
-from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
+from testsupport.jobs import TASK_DATASETS, labels_of, run_distributed_val
 from yolov9_ddp.tasks import TASKS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-BATCH = 8  # 20 validation images: batches of 8, 8 and 4, so 2 ranks get 1 and 2 batches, 3 ranks 1 each
 
 
-@pytest.fixture(scope='module')
-def polygon_data(tmp_path_factory):
-    """Polygon labels serve every task: the detection datasets take their boxes from the polygons."""
-    spec = DemoSpec(train=8, val=20, imgsz=64, labels='polygons')
-    return ensure_demo_dataset(tmp_path_factory.mktemp('polygons') / 'data', spec, log=lambda msg: None)
-
-
-@pytest.fixture(scope='module')
-def fitted(patched_tree, polygon_data, tmp_path_factory):
-    """fitted(task): weights of the task's tiny model fitted to the validation images (once per task)."""
-    weights = {}
-
-    def fit(task):
-        if task not in weights:
-            weights[task] = fitted_weights(patched_tree, task, polygon_data,
-                                           tmp_path_factory.mktemp(f'fit-{task}') / 'fitted.pt')
-        return weights[task]
-
-    return fit
+def three_batches(task: str) -> int:
+    """The batch size that splits the task's validation set into 3 batches, the last one smaller: 2 ranks then get
+    1 and 2 batches, 3 ranks 1 each."""
+    return math.ceil(TASK_DATASETS[labels_of(task)].val / 3)
 
 
 def validate(tree, task, weights, data, nproc, out):
-    run_distributed_val(tree, nproc, 'val', task, weights, data, out, BATCH)
+    run_distributed_val(tree, nproc, 'val', task, weights, data, out, three_batches(task))
     report = json.loads(out.read_text())
     assert report['world'] == nproc and len(report['ranks']) == nproc
     return report['ranks']
 
 
 @pytest.fixture(scope='module')
-def one_process(patched_tree, polygon_data, fitted, tmp_path_factory):
+def one_process(patched_tree, task_datasets, fitted, tmp_path_factory):
     """one_process(task): (fitted weights, what one process validating the whole set reports), once per task."""
     reports = {}
 
@@ -56,7 +40,7 @@ def one_process(patched_tree, polygon_data, fitted, tmp_path_factory):
         if task not in reports:
             weights = fitted(task)
             out = tmp_path_factory.mktemp(f'one-{task}') / 'single.json'
-            [reports[task]] = validate(patched_tree, task, weights, polygon_data, 1, out)
+            [reports[task]] = validate(patched_tree, task, weights, task_datasets[labels_of(task)], 1, out)
         return fitted(task), reports[task]
 
     return validate_once
@@ -71,7 +55,7 @@ def results_names(task):
 
 @pytest.mark.parametrize('task, nproc', [('detect', 2), ('detect', 3), ('detect-dual', 2), ('detect-triple', 2),
                                          ('segment', 2), ('segment', 3), ('segment-dual', 2)])
-def test_distributed_validation_equals_one_process(patched_tree, polygon_data, one_process, task, nproc, tmp_path):
+def test_distributed_validation_equals_one_process(patched_tree, task_datasets, one_process, task, nproc, tmp_path):
     weights, single = one_process(task)
     names = results_names(task)
     assert len(single['results']) == len(names) and single['batches'] == 3
@@ -80,7 +64,8 @@ def test_distributed_validation_equals_one_process(patched_tree, polygon_data, o
     if TASKS[task].masks:
         assert measured['mask mAP50'] > 0, f'the fitted model segments nothing: {measured}'
 
-    ranks = validate(patched_tree, task, weights, polygon_data, nproc, tmp_path / f'ranks-{nproc}.json')
+    data = task_datasets[labels_of(task)]
+    ranks = validate(patched_tree, task, weights, data, nproc, tmp_path / f'ranks-{nproc}.json')
     assert [rank['batches'] for rank in ranks] == ([1, 2] if nproc == 2 else [1, 1, 1])
     for rank, observed in enumerate(ranks):
         for name, one, many in zip(names, single['results'], observed['results']):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from testsupport.faults import completed_run_problems, kill_scenario, signal_scenario
-from testsupport.jobs import (fitted_weights, run, run_probe, save_model_state, task_cfg, torchrun_cmd,
+from testsupport.jobs import (TASK_DATASETS, labels_of, run, run_probe, save_model_state, task_cfg, torchrun_cmd,
                               train_args)
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 from yolov9_ddp.samplers import padding_per_epoch
@@ -27,32 +27,6 @@ from yolov9_ddp.tasks import TASKS
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures('upstream_importable')]
 NEW_TASKS = [name for name in TASKS if name != 'detect-dual']  # detect-dual: the tests named above
-SPECS = {'boxes': DemoSpec(train=45, val=32, imgsz=64), 'polygons': DemoSpec(train=45, val=32, imgsz=64,
-                                                                             labels='polygons')}
-
-
-def labels_of(task: str) -> str:
-    return 'polygons' if TASKS[task].masks else 'boxes'
-
-
-@pytest.fixture(scope='module')
-def datasets(tmp_path_factory):
-    root = tmp_path_factory.mktemp('tasks')
-    return {kind: ensure_demo_dataset(root / kind, spec) for kind, spec in SPECS.items()}
-
-
-@pytest.fixture(scope='module')
-def fitted(patched_tree, datasets, tmp_path_factory):
-    """fitted(task): the task's tiny model fitted to the validation images (testsupport/probes/distributed_val.py),
-    weights that find something: the loss then has positives to normalise by, and the metrics are not all zero."""
-    made = {}
-
-    def fit(task):
-        if task not in made:
-            made[task] = fitted_weights(patched_tree, task, datasets[labels_of(task)],
-                                        tmp_path_factory.mktemp(f'fitted-{task}') / 'fitted.pt')
-        return made[task]
-    return fit
 
 
 def probe(tree, task, nproc, mode, out, args, config):
@@ -63,11 +37,11 @@ def probe(tree, task, nproc, mode, out, args, config):
 
 @pytest.mark.slow
 @pytest.mark.parametrize('task', NEW_TASKS)
-def test_the_ddp_step_equals_one_process_accumulating_the_same_micro_batches(patched_tree, datasets, fitted,
+def test_the_ddp_step_equals_one_process_accumulating_the_same_micro_batches(patched_tree, task_datasets, fitted,
                                                                             tmp_path, task):
     init = save_model_state(patched_tree, fitted(task), tmp_path / 'init.pt')
     config = {'init': str(init), 'indices': list(range(8)), 'micro': 2}
-    data, cfg = datasets[labels_of(task)], task_cfg(task)
+    data, cfg = task_datasets[labels_of(task)], task_cfg(task)
     single = probe(patched_tree, task, 1, 'step', tmp_path / 'single.json',
                    train_args(data, tmp_path / 'single', 1, 8, 64, cfg=cfg), config)['ranks'][0]['params']
     ddp = probe(patched_tree, task, 2, 'step', tmp_path / 'ddp.json',
@@ -80,8 +54,8 @@ def test_the_ddp_step_equals_one_process_accumulating_the_same_micro_batches(pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize('task', NEW_TASKS)
-def test_ema_and_batchnorm_statistics_are_identical_on_every_rank(patched_tree, datasets, tmp_path, task):
-    args = train_args(datasets[labels_of(task)], tmp_path / 'runs', 2, 4, 64, '--noval', cfg=task_cfg(task))
+def test_ema_and_batchnorm_statistics_are_identical_on_every_rank(patched_tree, task_datasets, tmp_path, task):
+    args = train_args(task_datasets[labels_of(task)], tmp_path / 'runs', 2, 4, 64, '--noval', cfg=task_cfg(task))
     per_rank = [rank['epochs'] for rank in probe(patched_tree, task, 2, 'ema', tmp_path / 'ema.json', args,
                                                  {})['ranks']]
     assert len(per_rank[0]) == len(per_rank[1]) == 2
@@ -92,8 +66,8 @@ def test_ema_and_batchnorm_statistics_are_identical_on_every_rank(patched_tree, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize('task', NEW_TASKS)
-def test_distributed_validation_equals_one_process_and_upstream(patched_tree, datasets, fitted, tmp_path, task):
-    data, cfg, weights = datasets[labels_of(task)], task_cfg(task), {'weights': str(fitted(task))}
+def test_distributed_validation_equals_one_process_and_upstream(patched_tree, task_datasets, fitted, tmp_path, task):
+    data, cfg, weights = task_datasets[labels_of(task)], task_cfg(task), {'weights': str(fitted(task))}
     ddp = probe(patched_tree, task, 2, 'val', tmp_path / 'ddp.json', train_args(data, tmp_path / 'd', 1, 16, 64,
                                                                                 cfg=cfg), weights)
     single = probe(patched_tree, task, 1, 'val', tmp_path / 'single.json',
@@ -104,7 +78,8 @@ def test_distributed_validation_equals_one_process_and_upstream(patched_tree, da
     if TASKS[task].masks:
         assert reference[6] > 0, 'the fitted weights must segment something'
     np.testing.assert_allclose(reference, single['upstream_results'][:metrics], rtol=0, atol=1e-6)
-    assert sum(rank['shard_batches'] for rank in ddp['ranks']) == math.ceil(32 / 16)
+    val_images = TASK_DATASETS[labels_of(task)].val
+    assert sum(rank['shard_batches'] for rank in ddp['ranks']) == math.ceil(val_images / 16)
     for rank in ddp['ranks']:
         np.testing.assert_allclose(rank['results'][:metrics], reference, rtol=0, atol=1e-6)
         np.testing.assert_allclose(rank['maps'], single['maps'], rtol=0, atol=1e-6)
@@ -114,17 +89,17 @@ def test_distributed_validation_equals_one_process_and_upstream(patched_tree, da
 
 @pytest.mark.slow
 @pytest.mark.parametrize('task', NEW_TASKS)
-def test_a_killed_rank_is_restarted_and_the_run_completes(patched_tree, datasets, tmp_path, task):
-    outcome = kill_scenario(patched_tree, datasets[labels_of(task)], tmp_path, 'kill:rank=1:where=step:epoch=1:step=3',
-                            task=task)
+def test_a_killed_rank_is_restarted_and_the_run_completes(patched_tree, task_datasets, tmp_path, task):
+    outcome = kill_scenario(patched_tree, task_datasets[labels_of(task)], tmp_path,
+                            'kill:rank=1:where=step:epoch=1:step=3', task=task)
     assert not outcome.problems, outcome.describe()
     assert outcome.redone == [1], outcome.describe()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize('task', NEW_TASKS)
-def test_sigterm_stops_every_rank_with_a_resumable_checkpoint(patched_tree, datasets, tmp_path, task):
-    outcome = signal_scenario(patched_tree, datasets[labels_of(task)], tmp_path, signal.SIGTERM, task=task)
+def test_sigterm_stops_every_rank_with_a_resumable_checkpoint(patched_tree, task_datasets, tmp_path, task):
+    outcome = signal_scenario(patched_tree, task_datasets[labels_of(task)], tmp_path, signal.SIGTERM, task=task)
     assert not outcome.problems, outcome.describe()
     assert outcome.detail['saved_epoch'] == 0 and outcome.redone == [1], outcome.describe()
 
@@ -137,9 +112,9 @@ WRONG_MODELS = {'detect': 'detect-dual', 'detect-triple': 'detect', 'segment': '
 
 @pytest.mark.slow
 @pytest.mark.parametrize('task', list(TASKS))
-def test_a_model_of_another_task_is_refused_before_the_data_is_read(patched_tree, datasets, tmp_path, task):
+def test_a_model_of_another_task_is_refused_before_the_data_is_read(patched_tree, task_datasets, tmp_path, task):
     other = TASKS[WRONG_MODELS[task]]
-    args = train_args(datasets[labels_of(task)], tmp_path / 'runs', 1, 4, 64, cfg=task_cfg(other.name))
+    args = train_args(task_datasets[labels_of(task)], tmp_path / 'runs', 1, 4, 64, cfg=task_cfg(other.name))
     result = run([sys.executable, TASKS[task].script, *map(str, args)], patched_tree, timeout=300)
     errors = [line for line in result.stderr.splitlines() if ': error' in line]
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
@@ -150,8 +125,8 @@ def test_a_model_of_another_task_is_refused_before_the_data_is_read(patched_tree
 # -- segmentation ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_segmentation_draws_every_training_image_once_per_epoch(patched_tree, datasets, tmp_path):
-    args = train_args(datasets['polygons'], tmp_path / 'runs', 2, 4, 64, cfg=task_cfg('segment'))
+def test_segmentation_draws_every_training_image_once_per_epoch(patched_tree, task_datasets, tmp_path):
+    args = train_args(task_datasets['polygons'], tmp_path / 'runs', 2, 4, 64, cfg=task_cfg('segment'))
     report = probe(patched_tree, 'segment', 2, 'sampler', tmp_path / 'sampler.json', args, {'epochs': 2})
     files = report['ranks'][0]['files']
     for epoch in range(2):

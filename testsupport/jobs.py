@@ -9,6 +9,7 @@ from pathlib import Path
 
 from testsupport.cores import check_machine_wide
 from testsupport.trees import TINY_CFG
+from yolov9_ddp.demo_data import DemoSpec
 
 TORCHRUN = Path(__file__).resolve().parent / 'torchrun.py'  # torchrun with the grace period set below
 PROBE = Path(__file__).resolve().parent / 'probes' / 'probe.py'
@@ -44,6 +45,17 @@ def run(cmd, cwd, timeout=300, env=None) -> subprocess.CompletedProcess:
 def train_args(data_yaml, project, epochs=2, batch=8, imgsz=64, *extra, cfg=TINY_CFG) -> list:
     return ['--data', data_yaml, '--cfg', cfg, '--epochs', epochs, '--batch-size', batch, '--imgsz', imgsz,
             '--device', 'cpu', '--workers', 0, '--project', project, '--name', 'exp', '--noplots', *extra]
+
+
+# The datasets of the tests of every task (tests/conftest.py task_datasets): 45 training images (not a multiple of
+# the batches of 2 ranks), validation sets of 50 and 32. Detection tasks take boxes, segmentation tasks polygons.
+TASK_DATASETS = {'boxes': DemoSpec(train=45, val=50, imgsz=64),
+                 'polygons': DemoSpec(train=45, val=32, imgsz=64, labels='polygons')}
+
+
+def labels_of(task: str) -> str:
+    from yolov9_ddp.tasks import TASKS
+    return 'polygons' if TASKS[task].masks else 'boxes'
 
 
 def task_cfg(task: str) -> Path:
