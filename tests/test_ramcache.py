@@ -32,15 +32,16 @@ def cache_args(data, project, *extra) -> list:
 
 @pytest.fixture(scope='module')
 def probe_runs(patched_tree, cache_data, tmp_path_factory):
-    """run(nproc, start_method): the ramcache probe's report of a job, each kind of job run once."""
+    """run(nproc, start_method): the ramcache probe's report of each rank of a job, each kind of job run once."""
     reports = {}
 
     def run(nproc, start_method=None):
         if (nproc, start_method) not in reports:
             folder = tmp_path_factory.mktemp(f'probe{nproc}{start_method or ""}')
             config = {'start_method': start_method} if start_method else {}
-            reports[nproc, start_method] = run_probe(patched_tree, nproc, 'ramcache', folder / 'out.json',
-                                                     cache_args(cache_data, folder / 'runs'), config, timeout=400)
+            ranks = run_probe(patched_tree, nproc, 'ramcache', folder / 'out.json',
+                              cache_args(cache_data, folder / 'runs'), config, timeout=400)
+            reports[nproc, start_method] = [rank['ramcache'] for rank in ranks]
         return reports[nproc, start_method]
     return run
 
@@ -58,14 +59,14 @@ def upstream_digests(patched_tree, cache_data, upstream_importable):
 
 
 def job_pids(report) -> list:
-    return [pid for rank in report['ranks'] for pid in [rank['pid'], *rank['workers']]]
+    return [pid for rank in report for pid in [rank['pid'], *rank['workers']]]
 
 
 # -- in a job --------------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
 def test_local_rank_0_decodes_every_image_once_for_the_node(probe_runs):
-    ranks = probe_runs(2)['ranks']
+    ranks = probe_runs(2)
     assert [r['decodes'] for r in ranks] == [SPEC.train + SPEC.val, 0]
     assert [r['decodes_after_setup'] for r in ranks] == [0, 0], 'loading a batch decoded an image again'
     assert all(r['images'] == {'train': 'SharedImages', 'val': 'SharedImages'} for r in ranks)
@@ -73,13 +74,13 @@ def test_local_rank_0_decodes_every_image_once_for_the_node(probe_runs):
 
 @pytest.mark.cores
 def test_every_rank_sees_upstreams_ram_cache_bit_for_bit(probe_runs, upstream_digests):
-    for rank in probe_runs(2)['ranks']:
+    for rank in probe_runs(2):
         assert rank['digests'] == upstream_digests
 
 
 @pytest.mark.cores
 def test_the_node_holds_one_copy_with_two_ranks_as_with_one(probe_runs):
-    one, two = probe_runs(1)['ranks'][0]['node'], probe_runs(2)['ranks'][0]['node']
+    one, two = probe_runs(1)[0]['node'], probe_runs(2)[0]['node']
     assert one['cache_files'] == two['cache_files'] == 2, 'one cache file each for the train and the val images'
     assert two['resident_bytes'] <= 1.1 * one['resident_bytes'], (one, two)
     pixels = (SPEC.train + SPEC.val) * IMGSZ * IMGSZ * 3
@@ -93,12 +94,12 @@ def test_loader_workers_map_the_cache_whatever_starts_them(probe_runs, upstream_
     """Workers started by spawn or forkserver (Python 3.14's default) receive the dataset pickled: they must open
     the node's cache, not receive a copy of its pixels."""
     report = probe_runs(2, None if start_method == 'fork' else start_method)
-    node = report['ranks'][0]['node']
-    workers = [pid for rank in report['ranks'] for pid in rank['workers']]
+    node = report[0]['node']
+    workers = [pid for rank in report for pid in rank['workers']]
     assert len(workers) >= 4, 'each rank has a train and a val loader worker'
     assert set(job_pids(report)) <= set(node['processes_mapping']), node
     assert node['cache_files'] == 2, node
-    assert all(rank['digests'] == upstream_digests for rank in report['ranks'])
+    assert all(rank['digests'] == upstream_digests for rank in report)
 
 
 def shm_entries() -> set:

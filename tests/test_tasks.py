@@ -1,11 +1,13 @@
 """Every kit entry point keeps the guarantees of ddp_train_dual.py for its task (yolov9_ddp.tasks): ddp_train.py
 (GELAN, for train.py), ddp_train_triple.py, segment/ddp_train.py and segment/ddp_train_dual.py. Each claim is shown
 by real jobs (gloo on CPU) of the task's tiny model, the same kinds of jobs that tests/test_ddp_training.py,
-test_ddp_resume.py and test_faults.py run in more depth for ddp_train_dual.py, whose loop is the same code:
+test_ddp_resume.py and test_faults.py run in more depth for ddp_train_dual.py, whose loop is the same code. The
+first three claims hold for ddp_train_dual.py too, and one job of 1, 2 (and 3) processes per task serves them:
 
-  - the DDP step equals one process's step on the same global batch (masks too)
+  - the DDP step equals one process's step on the same global batch (masks too), accumulation included
   - EMA and BatchNorm statistics bit-identical on every rank after every epoch
-  - distributed validation equals one process's (segmentation: box and mask metrics) and upstream's own
+  - distributed validation equals one process's (segmentation: box and mask metrics) and upstream's own, and so
+    does upstream's val script run with distributed=True (patch 0009)
   - a killed rank: torchrun restarts, the run resumes from its atomic checkpoint and completes
   - SIGTERM: every rank stops after the same step, a resumable last.pt, --resume completes
   - a model of another task is refused in one line naming the entry point that trains it
@@ -29,60 +31,114 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures('upstream_import
 NEW_TASKS = [name for name in TASKS if name != 'detect-dual']  # detect-dual: the tests named above
 
 
-def probe(tree, task, nproc, mode, out, args, config):
-    return run_probe(tree, nproc, mode, out, args, {**config, 'task': task})
+def probe(tree, task, nproc, modes, out, args, config):
+    return run_probe(tree, nproc, modes, out, args, {**config, 'task': task})
 
 
-# -- the DDP step, EMA, validation -------------------------------------------------------------------------------------
+# -- the DDP step, EMA, validation: one job of 1, 2 (and 3) processes per task serves them all -----------------------
+
+STEP_INDICES = {'halves': [0, 1, 2, 3] * 2, 'pairs': list(range(8)), 'quarters': list(range(8))}
+# micro-batches of the global batch of 8 images, for 1 process and for 2
+STEP_MICRO = {'halves': {1: 1, 2: 2}, 'pairs': {1: 2, 2: 2}, 'quarters': {1: 4, 2: 4}}
+THREE_PROCESSES = ('detect', 'detect-dual', 'segment')  # 3 ranks: 1 validation batch each, the shards of odd W
+
+
+def upstream_val_batch(task: str) -> int:
+    """The batch size that cuts the task's validation set into 3 batches, the last one smaller: 2 ranks then get
+    1 and 2 of them, 3 ranks 1 each."""
+    return math.ceil(TASK_DATASETS[labels_of(task)].val / 3)
+
+
+@pytest.fixture(scope='module')
+def probed(patched_tree, task_datasets, fitted, tmp_path_factory):
+    """probed(task, nproc): what each rank of one job of the task's tiny model observed (testsupport/probes/
+    probe.py), with 8 images per process: validation of fitted weights by the kit and by upstream's own script
+    (patch 0009), steps from them on fixed batches, and (2 processes) two epochs of EMA and BatchNorm sync."""
+    jobs = {}
+
+    def run_job(task, nproc):
+        if (task, nproc) not in jobs:
+            folder = tmp_path_factory.mktemp(f'{task}-x{nproc}')
+            init = save_model_state(patched_tree, fitted(task), folder / 'init.pt')
+            steps = {name: {'indices': STEP_INDICES[name], 'micro': micro[nproc]} for name, micro in STEP_MICRO.items()
+                     if nproc in micro}
+            config = {'weights': str(fitted(task)), 'init': str(init), 'steps': steps,
+                      'upstream_val_batch': upstream_val_batch(task)}
+            modes = {1: 'val,upstream_val,steps', 2: 'val,upstream_val,steps,ema', 3: 'val,upstream_val'}[nproc]
+            args = train_args(task_datasets[labels_of(task)], folder / 'runs', 2, 8 * nproc, 64, '--noval',
+                              cfg=task_cfg(task))
+            jobs[task, nproc] = probe(patched_tree, task, nproc, modes, folder / 'out.json', args, config)
+        return jobs[task, nproc]
+    return run_job
+
+
+def assert_same_params(a: dict, b: dict, atol=1e-6):
+    assert a.keys() == b.keys()
+    worst = max(float(np.max(np.abs(np.array(a[k]) - np.array(b[k])))) for k in a)
+    assert worst <= atol, f'parameters differ by up to {worst}'
+
 
 @pytest.mark.slow
-@pytest.mark.parametrize('task', NEW_TASKS)
-def test_the_ddp_step_equals_one_process_accumulating_the_same_micro_batches(patched_tree, task_datasets, fitted,
-                                                                            tmp_path, task):
-    init = save_model_state(patched_tree, fitted(task), tmp_path / 'init.pt')
-    config = {'init': str(init), 'indices': list(range(8)), 'micro': 2}
-    data, cfg = task_datasets[labels_of(task)], task_cfg(task)
-    single = probe(patched_tree, task, 1, 'step', tmp_path / 'single.json',
-                   train_args(data, tmp_path / 'single', 1, 8, 64, cfg=cfg), config)['ranks'][0]['params']
-    ddp = probe(patched_tree, task, 2, 'step', tmp_path / 'ddp.json',
-                train_args(data, tmp_path / 'ddp', 1, 8, 64, cfg=cfg), config)
-    zero, one = (rank['params'] for rank in ddp['ranks'])
-    assert zero == one
-    worst = max(float(np.max(np.abs(np.array(single[k]) - np.array(zero[k])))) for k in single)
-    assert worst <= 1e-6, f'parameters differ by up to {worst}'
+@pytest.mark.parametrize('task', TASKS)
+def test_the_ddp_step_equals_one_process_on_the_same_global_batch(probed, task):
+    """Upstream's loss divides by the sum of target scores of the batch a process sees (at least 1), so 1 x B and
+    2 x B/2 are the same objective only when both halves carry the same targets and the sum exceeds 1 (hence
+    weights fitted to these images): 'halves' is two copies of 4 images. With 8 different images ('pairs',
+    'quarters'), the 2 processes equal 1 process accumulating the same micro-batches: the gradient all-reduce and
+    the loss scaling by world size must be right for this to hold."""
+    [single], ddp = probed(task, 1), probed(task, 2)
+    assert single['steps']['halves']['moved'] > 0  # a real step was taken
+    for name in STEP_INDICES:
+        zero, one = (rank['steps'][name] for rank in ddp)
+        assert_same_params(zero['params'], one['params'], atol=0)
+        assert_same_params(single['steps'][name]['params'], zero['params'])
+    # accumulation: after a no_sync micro-step each rank holds only its own gradients; the stepping one reduced
+    quarters = [rank['steps']['quarters']['grads_after_first_micro_step'] for rank in ddp]
+    assert quarters[0] != quarters[1]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('task', NEW_TASKS)
-def test_ema_and_batchnorm_statistics_are_identical_on_every_rank(patched_tree, task_datasets, tmp_path, task):
-    args = train_args(task_datasets[labels_of(task)], tmp_path / 'runs', 2, 4, 64, '--noval', cfg=task_cfg(task))
-    per_rank = [rank['epochs'] for rank in probe(patched_tree, task, 2, 'ema', tmp_path / 'ema.json', args,
-                                                 {})['ranks']]
+@pytest.mark.parametrize('task', TASKS)
+def test_ema_and_batchnorm_statistics_are_identical_on_every_rank_after_every_epoch(probed, task):
+    per_rank = [rank['ema']['epochs'] for rank in probed(task, 2)]
     assert len(per_rank[0]) == len(per_rank[1]) == 2
     for zero, one in zip(*per_rank):
         assert zero['ema_updates'] == one['ema_updates'] > 0 and zero['ema_hash'] == one['ema_hash']
+        # BatchNorm statistics: each rank's own before the epoch's all_reduce, their mean after, on every rank
         assert zero['bn_before'] != one['bn_before'] and zero['bn_after'] == one['bn_after']
+        mean = (np.array(zero['bn_before'], dtype=np.float64) + np.array(one['bn_before'], dtype=np.float64)) / 2
+        np.testing.assert_allclose(zero['bn_after'], mean, rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('task', NEW_TASKS)
-def test_distributed_validation_equals_one_process_and_upstream(patched_tree, task_datasets, fitted, tmp_path, task):
-    data, cfg, weights = task_datasets[labels_of(task)], task_cfg(task), {'weights': str(fitted(task))}
-    ddp = probe(patched_tree, task, 2, 'val', tmp_path / 'ddp.json', train_args(data, tmp_path / 'd', 1, 16, 64,
-                                                                                cfg=cfg), weights)
-    single = probe(patched_tree, task, 1, 'val', tmp_path / 'single.json',
-                   train_args(data, tmp_path / 's', 1, 8, 64, cfg=cfg), weights)['ranks'][0]
+@pytest.mark.parametrize('task, nproc', [(task, 2) for task in TASKS] + [(task, 3) for task in THREE_PROCESSES])
+def test_distributed_validation_equals_one_process_and_upstream(probed, task, nproc):
+    """The kit's validation (a contiguous, unpadded shard of whole batches per rank) gives every rank the metrics,
+    per-class mAPs and mean losses of one process over the whole set, which equal those of upstream's own script
+    and dataloader; so does upstream's script itself run with distributed=True (patch 0009)."""
+    [single], ranks = probed(task, 1), probed(task, nproc)
     metrics = len(TASKS[task].metric_names)  # P, R, mAP50, mAP50-95 (of boxes, then of masks)
-    reference = single['results'][:metrics]
+    reference = single['val']['results'][:metrics]
     assert reference[2] > 0, 'the fitted weights must find something, or the comparison proves nothing'
     if TASKS[task].masks:
         assert reference[6] > 0, 'the fitted weights must segment something'
-    np.testing.assert_allclose(reference, single['upstream_results'][:metrics], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(reference, single['val']['upstream_results'][:metrics], rtol=0, atol=1e-6)
     val_images = TASK_DATASETS[labels_of(task)].val
-    assert sum(rank['shard_batches'] for rank in ddp['ranks']) == math.ceil(val_images / 16)
-    for rank in ddp['ranks']:
-        np.testing.assert_allclose(rank['results'][:metrics], reference, rtol=0, atol=1e-6)
-        np.testing.assert_allclose(rank['maps'], single['maps'], rtol=0, atol=1e-6)
+    assert sum(rank['val']['shard_batches'] for rank in ranks) == math.ceil(val_images / (8 * 2))
+    for rank in ranks:
+        np.testing.assert_allclose(rank['val']['results'][:metrics], reference, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(rank['val']['maps'], single['val']['maps'], rtol=0, atol=1e-6)
+
+    upstream = single['upstream_val']
+    assert upstream['batches'] == 3 and len(upstream['results']) == metrics + len(TASKS[task].loss_names)
+    assert upstream['results'][2] > 0
+    assert [rank['upstream_val']['batches'] for rank in ranks] == ([1, 2] if nproc == 2 else [1, 1, 1])
+    for rank in ranks:
+        np.testing.assert_allclose(rank['upstream_val']['results'], upstream['results'], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(rank['upstream_val']['maps'], upstream['maps'], rtol=0, atol=1e-6)
+    if not TASKS[task].masks:  # the matrix rank 0 plots (handed to on_val_end) is the whole set's
+        confusion = upstream['confusion']
+        assert ranks[0]['upstream_val']['confusion'] == confusion and sum(map(sum, confusion)) > 0
 
 
 # -- faults, signals, resume -------------------------------------------------------------------------------------------
@@ -127,10 +183,11 @@ def test_a_model_of_another_task_is_refused_before_the_data_is_read(patched_tree
 @pytest.mark.slow
 def test_segmentation_draws_every_training_image_once_per_epoch(patched_tree, task_datasets, tmp_path):
     args = train_args(task_datasets['polygons'], tmp_path / 'runs', 2, 4, 64, cfg=task_cfg('segment'))
-    report = probe(patched_tree, 'segment', 2, 'sampler', tmp_path / 'sampler.json', args, {'epochs': 2})
-    files = report['ranks'][0]['files']
+    ranks = [rank['sampler'] for rank in probe(patched_tree, 'segment', 2, 'sampler', tmp_path / 'sampler.json', args,
+                                               {'epochs': 2})]
+    files = ranks[0]['files']
     for epoch in range(2):
-        drawn = [p for rank in report['ranks'] for p in rank['epochs'][epoch]]
+        drawn = [p for rank in ranks for p in rank['epochs'][epoch]]
         assert set(drawn) == set(files) and len(drawn) - len(files) == padding_per_epoch(len(files), 2)
 
 

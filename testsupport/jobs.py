@@ -64,13 +64,16 @@ def task_cfg(task: str) -> Path:
     return TINY_CFG.parent / TASKS[task].demo_cfg
 
 
-def run_probe(tree, nproc, mode, out: Path, args, config=None, timeout=300):
-    """Run testsupport/probes/probe.py MODE under torchrun (nproc > 1) or as one process; returns its JSON."""
-    script = [PROBE, mode, out, *args]
+def run_probe(tree, nproc, modes: str, out: Path, args, config=None, timeout=300) -> list:
+    """Run testsupport/probes/probe.py MODES under torchrun (nproc > 1) or as one process: [{mode: what rank r
+    observed}, for each rank r]."""
+    script = [PROBE, modes, out, *args]
     cmd = torchrun_cmd(nproc, *script) if nproc > 1 else [sys.executable, *map(str, script)]
     result = run(cmd, tree, timeout, job_env(PROBE_CONFIG=json.dumps(config or {})))
-    assert result.returncode == 0, f'probe {mode} x{nproc} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}'
-    return json.loads(out.read_text())
+    assert result.returncode == 0, f'probe {modes} x{nproc} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}'
+    report = json.loads(out.read_text())
+    assert report['world'] == len(report['ranks']) == nproc
+    return report['ranks']
 
 
 def save_model_state(tree, weights: Path, dest: Path) -> Path:
@@ -82,19 +85,10 @@ def save_model_state(tree, weights: Path, dest: Path) -> Path:
     return dest
 
 
-def run_distributed_val(tree, nproc, mode, *args, timeout=300) -> subprocess.CompletedProcess:
-    """Run testsupport/probes/distributed_val.py MODE ARGS in a patched tree, under torchrun when nproc > 1."""
-    script = [DISTRIBUTED_VAL, mode, *args]
-    cmd = torchrun_cmd(nproc, *script) if nproc > 1 else [sys.executable, *map(str, script)]
-    result = run(cmd, tree, timeout)
-    assert result.returncode == 0, \
-        f'distributed_val {mode} x{nproc} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}'
-    return result
-
-
 def fitted_weights(tree, task: str, data_yaml: Path, out: Path) -> Path:
-    """The task's tiny model fitted to the validation images of data_yaml (distributed_val.py fit: 60 Adam steps),
+    """The task's tiny model fitted to the validation images of data_yaml (distributed_val.py: 150 Adam steps),
     saved to out: weights that find something there on any machine, so that the loss has positives to normalise by
     and the metrics are not all zero. (A short training run found nothing on some CPUs: its mAP stayed 0.)"""
-    run_distributed_val(tree, 1, 'fit', task, task_cfg(task), data_yaml, out)
+    result = run([sys.executable, DISTRIBUTED_VAL, task, task_cfg(task), data_yaml, out], tree)
+    assert result.returncode == 0, f'fitting {task} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}'
     return out

@@ -1,17 +1,13 @@
-"""Distributed validation of upstream's val scripts, run inside a patched YOLOv9 tree (cwd), one process or one per
-torchrun rank (gloo). Two modes:
+"""Upstream's val scripts on their own, inside a patched YOLOv9 tree (cwd):
 
-    python distributed_val.py fit TASK CFG DATA_YAML OUT.pt     fit a model to the validation images, save it
-    python distributed_val.py val TASK WEIGHTS DATA_YAML OUT.json BATCH
-        validate WEIGHTS with TASK's run(..., distributed=WORLD_SIZE > 1) on this rank's shard of whole batches
-        (the kit's ShardBatchSampler) and write, from rank 0, the results every rank computed
+    python distributed_val.py TASK CFG DATA_YAML OUT.pt     fit a model to the validation images, save it
 
-`fit` overfits the tiny model to the validation images for a few steps with the task's own loss, so that the
-metrics compared are not all zero. TASK is one of TASKS: which val module, loss and dataset the task uses.
+overfits the tiny model to the validation images for a few steps with the task's own loss, so that the metrics
+compared are not all zero. TASK is one of TASKS: which val module, loss and dataset the task uses.
+validate_shard() (probe.py's upstream_val) runs TASK's run(..., distributed=True) on one rank's shard of whole
+batches (the kit's ShardBatchSampler), beside the kit's trainer in the same job.
 """
 import importlib
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -19,7 +15,6 @@ ROOT = Path.cwd()
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import yaml  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -76,12 +71,10 @@ def fit(task: str, cfg: str, data_yaml: str, out: Path, imgsz=64):
     torch.save({'model': model.eval()}, out)
 
 
-def validate(task: str, weights: str, data_yaml: str, out: Path, batch: int, imgsz=64):
+def validate_shard(task: str, weights: str, data_yaml: str, save_dir: Path, batch: int, rank: int, world: int,
+                   imgsz=64) -> dict:
+    """What TASK's run(..., distributed=world > 1) reports on this rank's shard (in a process group already up)."""
     from models.experimental import attempt_load
-    world = int(os.environ.get('WORLD_SIZE', 1))
-    if world > 1:
-        dist.init_process_group('gloo')
-    rank = dist.get_rank() if world > 1 else 0
     data = check_dataset(data_yaml)
     model = attempt_load(weights, device='cpu')
     images = dataset(data, task, imgsz, batch, int(model.stride.max()), rect=True)
@@ -93,26 +86,14 @@ def validate(task: str, weights: str, data_yaml: str, out: Path, batch: int, img
     callbacks, confusion = Callbacks(), []  # the detection scripts hand the matrix they plot to on_val_end
     callbacks.register_action('on_val_end', callback=lambda *args: confusion.append(args[-1].matrix.tolist()))
     results, maps, _ = run(data, batch_size=batch, imgsz=imgsz, half=False, model=model, dataloader=shard,
-                           plots=rank == 0, save_dir=out.parent, callbacks=callbacks, compute_loss=compute_loss,
+                           plots=rank == 0, save_dir=Path(save_dir), callbacks=callbacks, compute_loss=compute_loss,
                            distributed=world > 1, **extra)  # as the kit: rank 0 plots
-    observed = {'results': [float(x) for x in results], 'maps': [float(x) for x in maps], 'batches': len(shard),
-                'confusion': confusion[0] if confusion else None}
-    if world > 1:
-        everyone = [None] * world
-        dist.all_gather_object(everyone, observed)
-        dist.destroy_process_group()
-    else:
-        everyone = [observed]
-    if rank == 0:
-        out.write_text(json.dumps({'ranks': everyone, 'world': world}))
+    return {'results': [float(x) for x in results], 'maps': [float(x) for x in maps], 'batches': len(shard),
+            'confusion': confusion[0] if confusion else None}
 
 
 def main():
-    mode, task = sys.argv[1], sys.argv[2]
-    if mode == 'fit':
-        fit(task, sys.argv[3], sys.argv[4], Path(sys.argv[5]))
-    else:
-        validate(task, sys.argv[3], sys.argv[4], Path(sys.argv[5]), int(sys.argv[6]))
+    fit(sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4]))
 
 
 if __name__ == '__main__':

@@ -1,8 +1,11 @@
 """Probes run inside a patched YOLOv9 tree, one process or one per torchrun rank, that drive the real
 yolov9_ddp.trainer.Trainer of a task and report what each rank saw as JSON (written by rank 0).
 
-    python probe.py MODE OUT.json TRAIN_ARGS...          (cwd: the patched tree; PROBE_CONFIG: JSON options,
+    python probe.py MODES OUT.json TRAIN_ARGS...         (cwd: the patched tree; PROBE_CONFIG: JSON options,
                                                            'task' among them: a task of yolov9_ddp.tasks)
+
+MODES is one probe or several, comma-separated, run in that order on one trainer: one job serves every proof that
+can share it. OUT.json: {'world': W, 'ranks': [{mode: what the rank observed, ...}, ...]}.
 """
 import hashlib
 import json
@@ -51,23 +54,35 @@ def probe_sampler(trainer):
             'padding_bound': trainer.world - 1}
 
 
-def probe_step(trainer):
-    """Optimizer steps on a fixed global batch, from fixed weights, with BatchNorm statistics frozen.
+def probe_steps(trainer):
+    """Optimizer steps on fixed global batches, each from the same fixed weights, with BatchNorm statistics frozen.
 
-    The global batch is CONFIG['indices'] of the validation dataset (letterboxed, not augmented: the same images
-    and labels, masks too, on every rank), cut into CONFIG['micro'] micro-batches, contiguous runs of them per rank;
-    each rank accumulates its share, so one process with M micro-batches and W processes with M/W each take the
-    same optimizer step. BatchNorm layers run in eval mode: in train mode a layer normalises with the
-    statistics of the rank's own images, which no real DDP run (without SyncBatchNorm) shares either.
+    CONFIG['steps'] = {name: {'indices': [...], 'micro': M}}: the global batch is those indices of the validation
+    dataset (letterboxed, not augmented: the same images and labels, masks too, on every rank), cut into M
+    micro-batches, contiguous runs of them per rank; each rank accumulates its share, so one process with M
+    micro-batches and W processes with M/W each take the same optimizer step. BatchNorm layers run in eval mode:
+    in train mode a layer normalises with the statistics of the rank's own images, which no real DDP run (without
+    SyncBatchNorm) shares either. The trainer's own state is restored afterwards, for the probes that follow.
     """
+    kept = trainer.accumulate, trainer.last_opt_step, trainer.warmup_iters
+    init = torch.load(CONFIG['init'], weights_only=True)
+    observed = {name: one_step(trainer, init, step['indices'], step['micro']) for name, step in CONFIG['steps'].items()}
+    trainer.accumulate, trainer.last_opt_step, trainer.warmup_iters = kept
+    trainer.optimizer.state.clear()
+    return observed
+
+
+def one_step(trainer, init: dict, indices: list, micro: int) -> dict:
     model, task = trainer.raw_model, trainer.task
-    model.load_state_dict(torch.load(CONFIG['init'], weights_only=True))
+    model.load_state_dict(init)
+    trainer.optimizer.state.clear()  # no momentum from an earlier step
+    trainer.optimizer.zero_grad()
     trainer.model.train()
     for m in model.modules():
         if isinstance(m, nn.BatchNorm2d):
             m.eval()
-    dataset, indices, collate = trainer.val_loader.dataset, CONFIG['indices'], task.collate(quad=False)
-    micro, world, rank = CONFIG['micro'], trainer.world, trainer.rank
+    dataset, collate = trainer.val_loader.dataset, task.collate(quad=False)
+    world, rank = trainer.world, trainer.rank
     per_rank, size = micro // world, len(indices) // micro
     trainer.accumulate, trainer.last_opt_step, trainer.warmup_iters = per_rank, -1, -1
     grads_after_first = None
@@ -79,8 +94,9 @@ def probe_step(trainer):
         if step == 0 and per_rank > 1:
             grads_after_first = [p.grad.detach().double().sum().item() for p in model.parameters()
                                  if p.grad is not None][:8]
-    return {'params': {k: v.detach().cpu().double().flatten().tolist()
-                       for k, v in model.state_dict().items() if v.dtype.is_floating_point},
+    params = {k: v.detach().cpu().double() for k, v in model.state_dict().items() if v.dtype.is_floating_point}
+    return {'params': {k: v.flatten().tolist() for k, v in params.items()},
+            'moved': max(float((v - init[k].double()).abs().max()) for k, v in params.items()),
             'grads_after_first_micro_step': grads_after_first}
 
 
@@ -129,6 +145,14 @@ def upstream_validation(trainer, model):
     return [float(x) for x in results]
 
 
+def probe_upstream_val(trainer):
+    """Upstream's own validation script of the task with distributed=True (patch 0009), on this rank's shard,
+    outside the kit's trainer: testsupport/probes/distributed_val.py, with CONFIG['upstream_val_batch']."""
+    import distributed_val
+    return distributed_val.validate_shard(TASK.name, CONFIG['weights'], trainer.opt.data, trainer.save_dir,
+                                          CONFIG['upstream_val_batch'], trainer.rank, trainer.world)
+
+
 def job_root() -> int:
     """The job's first process: torchrun's agent, or this process when it runs alone."""
     return os.getppid() if 'TORCHELASTIC_RUN_ID' in os.environ else os.getpid()
@@ -154,7 +178,8 @@ def probe_ramcache(trainer):
     return observed
 
 
-PROBES = {'sampler': probe_sampler, 'step': probe_step, 'ema': probe_ema, 'val': probe_val, 'ramcache': probe_ramcache}
+PROBES = {'sampler': probe_sampler, 'steps': probe_steps, 'ema': probe_ema, 'val': probe_val,
+          'upstream_val': probe_upstream_val, 'ramcache': probe_ramcache}
 BUILDS = []  # (rank, cache path) of every label-cache build in this process
 DECODES = []  # indices of the images this process decoded (upstream's load_image of an image not cached)
 
@@ -181,7 +206,7 @@ def count_decodes():
 
 
 def main():
-    mode, out, argv = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
+    modes, out, argv = sys.argv[1].split(','), Path(sys.argv[2]), sys.argv[3:]
     if CONFIG.get('start_method'):  # how the loaders start their workers (Python 3.14 defaults to forkserver)
         torch.multiprocessing.set_start_method(CONFIG['start_method'], force=True)
     count_cache_builds()
@@ -191,7 +216,7 @@ def main():
     device = comm.select_device(opt.device)
     with comm.process_group(device, 300):
         trainer = kit_trainer.prepare_trainer(TASK, opt, device)
-        observed = comm.all_gather_object(PROBES[mode](trainer))
+        observed = comm.all_gather_object({mode: PROBES[mode](trainer) for mode in modes})
         if comm.is_primary():
             out.write_text(json.dumps({'ranks': observed, 'world': trainer.world}))
 
