@@ -1,5 +1,6 @@
-"""Rank-0 atomic checkpoints, --resume under torchrun, and the automatic resume after torchrun restarts
-workers that were killed (--max-restarts)."""
+"""Rank-0 atomic checkpoints, --resume under torchrun, the automatic resume after torchrun restarts
+workers that were killed (--max-restarts), and a resume on another number of processes with the run's own
+options (issue 21)."""
 import os
 import signal
 import subprocess
@@ -12,8 +13,9 @@ import torch
 
 from testsupport.faults import results_epochs
 from testsupport.jobs import job_env, run, torchrun_cmd, train_args
-from yolov9_ddp import checkpoint
+from yolov9_ddp import checkpoint, cli, runs
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
+from yolov9_ddp.tasks import TASKS
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures('upstream_importable')]
 EPOCHS = 4
@@ -167,3 +169,20 @@ def test_restart_of_a_finished_job_does_not_train_again(patched_tree, dataset, t
     assert again.returncode == 0
     assert 'already finished' in again.stdout + again.stderr
     assert [p.name for p in project.iterdir()] == ['exp']
+
+
+# -- the run's own options, on any number of processes (issue 21: the world size belongs to a start) ---------------
+
+def test_a_resume_keeps_the_runs_options_but_the_start_options_given_for_it(tmp_path):
+    hyp = tmp_path / 'hyp.yaml'
+    hyp.write_text('lr0: 0.01\n')
+    argv = ['--resume', 'last.pt', '--workers', '2', '--batch-size', '16', '--epochs', '3', '--hyp', str(hyp)]
+    dual = TASKS['detect-dual']
+    options, given = vars(cli.parse_args(argv, tmp_path, dual)), cli.given_flags(argv, tmp_path, dual)
+    recorded = {'batch_size': 12, 'epochs': 3, 'device': 'cpu', 'workers': 0, 'ddp_timeout': 60.0,
+                'hyp': {'lr0': 0.01, 'anchor_t': 5.0}, 'auto_resume': True}
+    resumed = runs.resumed_options(options, recorded, given)
+    assert (resumed['batch_size'], resumed['device'], resumed['ddp_timeout']) == (12, 'cpu', 60.0)  # the run's
+    assert (resumed['workers'], resumed['auto_resume']) == (2, False)  # given for this start / how it was launched
+    # --epochs and --hyp say what the run has; --resume and --workers are this start's
+    assert runs.overruled_flags(options, recorded, given) == ['--batch-size 16 (the run has 12)']

@@ -120,6 +120,16 @@ def parse_args(argv, root: Path, task):
     return opt
 
 
+def given_flags(argv, root: Path, task) -> dict:
+    """{option name: flag} of the flags the command line gives rather than leaves at their defaults: on resume they
+    are this start's own (--device, --workers) or are named as overruled by the run's (yolov9_ddp.runs)."""
+    parser = build_parser(root, task)
+    for action in parser._actions:  # a flag whose default is SUPPRESS is left out of the options unless given
+        action.default = argparse.SUPPRESS
+    given = vars(parser.parse_args(argv))
+    return {action.dest: action.option_strings[0] for action in parser._actions if action.dest in given}
+
+
 def uses_demo(opt) -> bool:
     return opt.data is None
 
@@ -129,8 +139,17 @@ def names_no_model(opt) -> bool:
     return opt.cfg in ('', 'yolo.yaml') and not opt.weights
 
 
+def check_launch(opt):
+    """Reject what this start's flags cannot mean, before they choose the run (and, on resume, its options)."""
+    if opt.ddp_timeout <= 0:
+        raise UsageError('--ddp-timeout must be a positive number of seconds')
+    if opt.resume and opt.auto_resume:
+        raise UsageError('give either --resume or --auto-resume, not both')
+
+
 def check_options(opt, world_size: int, task):
-    """Reject what cannot work, identically on every rank (so all stop together, before any collective)."""
+    """Reject what cannot work, identically on every rank (so all stop together, before any collective); on resume
+    opt holds the run's own options."""
     ddp = world_size > 1
     if opt.evolve:
         raise UsageError(f'--evolve is not supported by {task.script}; run hyperparameter evolution with '
@@ -149,14 +168,10 @@ def check_options(opt, world_size: int, task):
         raise UsageError(f'--batch-size {opt.batch_size} is not a batch size')
     if opt.epochs < 1:
         raise UsageError(f'--epochs {opt.epochs}: train for at least one epoch')
-    if opt.ddp_timeout <= 0:
-        raise UsageError('--ddp-timeout must be a positive number of seconds')
     try:
         levers_for(opt)
     except ValueError as e:
         raise UsageError(str(e)) from e
-    if opt.resume and opt.auto_resume:
-        raise UsageError('give either --resume or --auto-resume, not both')
     for flag in ('data', 'hyp', 'weights'):
         value = getattr(opt, flag)
         if value and not opt.resume and not str(value).startswith(('http://', 'https://')) \
