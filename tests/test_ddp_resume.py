@@ -173,6 +173,13 @@ def test_restart_of_a_finished_job_does_not_train_again(patched_tree, dataset, t
 
 # -- the run's own options, on any number of processes (issue 21: the world size belongs to a start) ---------------
 
+def test_a_global_batch_names_the_process_counts_it_splits_over():
+    assert cli.divisors(12) == [1, 2, 3, 4, 6, 12] and cli.divisors(7) == [1, 7] and cli.divisors(1) == [1]
+    assert cli.uneven_split(12, 5).endswith('global batch 12 cannot be split over 5 processes; '
+                                            'it can over 1, 2, 3, 4, 6 or 12')
+    assert cli.uneven_split(7, 2).endswith('it can over 1 or 7')
+
+
 def test_a_resume_keeps_the_runs_options_but_the_start_options_given_for_it(tmp_path):
     hyp = tmp_path / 'hyp.yaml'
     hyp.write_text('lr0: 0.01\n')

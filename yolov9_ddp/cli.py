@@ -147,6 +147,18 @@ def check_launch(opt):
         raise UsageError('give either --resume or --auto-resume, not both')
 
 
+def divisors(n: int) -> list:
+    """The process counts a global batch of n images splits over evenly."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def uneven_split(batch: int, world_size: int) -> str:
+    """Why a resumed run cannot continue on world_size processes: its global batch is its own, the count is not."""
+    *most, largest = divisors(batch)
+    counts = f'{", ".join(map(str, most))} or {largest}' if most else str(largest)
+    return f"the run's global batch {batch} cannot be split over {world_size} processes; it can over {counts}"
+
+
 def check_options(opt, world_size: int, task):
     """Reject what cannot work, identically on every rank (so all stop together, before any collective); on resume
     opt holds the run's own options."""
@@ -161,8 +173,9 @@ def check_options(opt, world_size: int, task):
                          'train on one process or drop the flag')
     if ddp and opt.batch_size == -1:
         raise UsageError('AutoBatch (--batch-size -1) is not compatible with DDP; pass a --batch-size')
-    if ddp and opt.batch_size % world_size:
-        raise UsageError(f'--batch-size {opt.batch_size} is not a multiple of the {world_size} processes; '
+    if ddp and opt.batch_size % world_size:  # a resumed run's batch is its own: other process counts can
+        raise UsageError(uneven_split(opt.batch_size, world_size) if opt.resume else
+                         f'--batch-size {opt.batch_size} is not a multiple of the {world_size} processes; '
                          f'use a multiple of {world_size}')
     if opt.batch_size < -1 or opt.batch_size == 0:
         raise UsageError(f'--batch-size {opt.batch_size} is not a batch size')
