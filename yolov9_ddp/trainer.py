@@ -313,6 +313,17 @@ class Trainer:
         self.best_fitness = ckpt.get('best_fitness') or 0.0
         self.start_epoch = ckpt['epoch'] + 1  # all epochs done (killed while finishing): fit() only finishes
         LOGGER.info(f'Resuming training from {self.opt.weights} at epoch {self.start_epoch} of {self.opt.epochs}')
+        self.warn_if_batchnorm_batch_changes(ckpt.get('world_size'))  # None: a checkpoint of an earlier kit
+
+    def warn_if_batchnorm_batch_changes(self, previous_world):
+        """Without SyncBatchNorm each process normalises its own images: on another number of processes BatchNorm
+        sees batches of another size, so the run's statistics (and results) change, although its global batch,
+        learning rates and gradients do not."""
+        if not self.primary or previous_world in (None, self.world) or (self.opt.sync_bn and self.cuda):
+            return
+        LOGGER.warning(f'WARNING: the run continues on {self.world} process(es) instead of {previous_world}: '
+                       f'BatchNorm statistics now come from {self.batch_size // self.world} images per process, '
+                       f'not {self.batch_size // previous_world}')
 
     def build_loaders(self, gs):
         opt, per_rank, levers = self.opt, self.batch_size // self.world, self.levers
@@ -534,6 +545,7 @@ class Trainer:
             'updates': self.ema.updates,
             'optimizer': self.optimizer.state_dict(),
             'scaler': self.scaler.state_dict(),
+            'world_size': self.world,  # a resume on another number of processes says what that changes
             'opt': {k: v for k, v in vars(self.opt).items() if k != 'save_dir'},
             'git': None,
             'date': datetime.now().isoformat(),
