@@ -67,8 +67,8 @@ def time_steps(step, warmup: int, steps: int, cuda: bool) -> dict:
 
 def kit_step(opt, device):
     """The kit's Trainer.train_step on a fixed batch, at the iterations of its second epoch."""
-    from yolov9_ddp.trainer import prepare_trainer
-    trainer = prepare_trainer(TASK, opt, device)
+    from yolov9_ddp.trainer import plan_start, prepare_trainer
+    trainer = prepare_trainer(TASK, opt, device, plan_start(opt))
     per_rank = trainer.batch_size // trainer.world
     images, targets = fixed_batch(trainer.dataset, trainer.rank * per_rank, per_rank, opt.seed)
     pin = trainer.levers.pin_memory and trainer.cuda

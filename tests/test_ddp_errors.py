@@ -1,7 +1,8 @@
 """How ddp_train_dual.py fails: every case is a real launch with a deadline (torchrun with 2 processes where the
 case is about DDP, else one process), which must end quickly with a non-zero exit, one error line from one
 rank, no Python traceback from the workers, and no rank left waiting for a timeout. The option rules of
-yolov9_ddp.cli.check_options and the device checks of yolov9_ddp.comm.select_device are also unit-tested.
+yolov9_ddp.cli.check_launch and check_options and the device checks of yolov9_ddp.comm.select_device are also
+unit-tested.
 """
 import re
 import shutil
@@ -325,14 +326,20 @@ def test_check_options_at_least_one_epoch(options):
     assert '--epochs 0' in refused(options('--epochs', 0), 1)
 
 
+def refused_launch(opt) -> str:
+    with pytest.raises(cli.UsageError) as e:
+        cli.check_launch(opt)
+    return str(e.value)
+
+
 @pytest.mark.parametrize('timeout', [0, -5])
-def test_check_options_positive_ddp_timeout(options, timeout):
-    assert '--ddp-timeout' in refused(options('--ddp-timeout', timeout), 2)
+def test_check_launch_positive_ddp_timeout(options, timeout):
+    assert '--ddp-timeout' in refused_launch(options('--ddp-timeout', timeout))
 
 
-def test_check_options_resume_or_auto_resume_not_both(options):
-    cli.check_options(options('--auto-resume'), 2, DUAL)
-    assert '--auto-resume' in refused(options('--resume', '--auto-resume'), 2)
+def test_check_launch_resume_or_auto_resume_not_both(options):
+    cli.check_launch(options('--auto-resume'))
+    assert '--auto-resume' in refused_launch(options('--resume', '--auto-resume'))
 
 
 @pytest.mark.parametrize('flag', ['data', 'hyp', 'weights'])

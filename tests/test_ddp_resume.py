@@ -1,5 +1,6 @@
-"""Rank-0 atomic checkpoints, --resume under torchrun, and the automatic resume after torchrun restarts
-workers that were killed (--max-restarts)."""
+"""Rank-0 atomic checkpoints, --resume under torchrun, the automatic resume after torchrun restarts
+workers that were killed (--max-restarts), and a resume on another number of processes with the run's own
+options (issue 21)."""
 import os
 import signal
 import subprocess
@@ -10,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from testsupport.faults import results_epochs
+from testsupport.faults import (completed_run_problems, faulty_torchrun, refusal_problems, results_epochs,
+                                start_job, weights_snapshot)
 from testsupport.jobs import job_env, run, torchrun_cmd, train_args
-from yolov9_ddp import checkpoint
+from yolov9_ddp import checkpoint, cli, runs
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
+from yolov9_ddp.tasks import TASKS
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures('upstream_importable')]
 EPOCHS = 4
@@ -167,3 +170,56 @@ def test_restart_of_a_finished_job_does_not_train_again(patched_tree, dataset, t
     assert again.returncode == 0
     assert 'already finished' in again.stdout + again.stderr
     assert [p.name for p in project.iterdir()] == ['exp']
+
+
+# -- the run's own options, on any number of processes (issue 21: the world size belongs to a start) ---------------
+
+def test_a_global_batch_names_the_process_counts_it_splits_over():
+    assert cli.divisors(12) == [1, 2, 3, 4, 6, 12] and cli.divisors(7) == [1, 7] and cli.divisors(1) == [1]
+    assert cli.uneven_split(12, 5).endswith('global batch 12 cannot be split over 5 processes; '
+                                            'it can over 1, 2, 3, 4, 6 or 12')
+    assert cli.uneven_split(7, 2).endswith('it can over 1 or 7')
+
+
+def test_a_resume_keeps_the_runs_options_but_the_start_options_given_for_it(tmp_path):
+    hyp = tmp_path / 'hyp.yaml'
+    hyp.write_text('lr0: 0.01\n')
+    argv = ['--resume', 'last.pt', '--workers', '2', '--batch-size', '16', '--epochs', '3', '--hyp', str(hyp)]
+    dual = TASKS['detect-dual']
+    options, given = vars(cli.parse_args(argv, tmp_path, dual)), cli.given_flags(argv, tmp_path, dual)
+    recorded = {'batch_size': 12, 'epochs': 3, 'device': 'cpu', 'workers': 0, 'ddp_timeout': 60.0,
+                'hyp': {'lr0': 0.01, 'anchor_t': 5.0}, 'auto_resume': True}
+    resumed = runs.resumed_options(options, recorded, given)
+    assert (resumed['batch_size'], resumed['device'], resumed['ddp_timeout']) == (12, 'cpu', 60.0)  # the run's
+    assert (resumed['workers'], resumed['auto_resume']) == (2, False)  # given for this start / how it was launched
+    # --epochs and --hyp say what the run has; --resume and --workers are this start's
+    assert runs.overruled_flags(options, recorded, given) == ['--batch-size 16 (the run has 12)']
+
+
+@pytest.mark.slow
+def test_a_run_resumes_on_another_number_of_processes_with_its_own_options(patched_tree, tmp_path):
+    """A 2-process run with global batch 12 (6 per process) and --device cpu, resumed with `torchrun
+    --nproc_per_node 3 ddp_train_dual.py --resume last.pt` (nothing else): 4 images per process, its own device,
+    data and epochs. 5 processes cannot split 12 images and are refused before anything is written."""
+    data = ensure_demo_dataset(tmp_path / 'demo', DemoSpec(train=24, val=12, imgsz=64))  # 2 steps an epoch
+    project = tmp_path / 'runs'
+    first = start_job(faulty_torchrun(2, train_args(data, project, 2, 12, 64)), patched_tree, tmp_path, 'first',
+                      'kill:rank=1:where=step:epoch=1:step=0')  # leaves last.pt of epoch 0
+    assert first.wait(300) != 0 and first.events('fired'), first.output()[-4000:]
+    run_dir = project / 'exp'
+    last = run_dir / 'weights' / 'last.pt'
+
+    before, rows, options = weights_snapshot(run_dir), results_epochs(run_dir), (run_dir / 'opt.yaml').read_text()
+    refused = start_job(torchrun_cmd(5, 'ddp_train_dual.py', '--resume', last), patched_tree, tmp_path, 'five')
+    refused.wait(120)
+    assert not refusal_problems(refused, run_dir, before, rows, 'global batch 12 cannot be split over 5 processes; '
+                                'it can over 1, 2, 3, 4, 6 or 12'), refused.output()[-4000:]
+    assert (run_dir / 'opt.yaml').read_text() == options
+
+    resumed = start_job(torchrun_cmd(3, 'ddp_train_dual.py', '--resume', last), patched_tree, tmp_path, 'three')
+    assert resumed.wait(300) == 0, resumed.output()[-4000:]
+    output = resumed.output()
+    assert 'at epoch 1 of 2' in output and '3 process(es), batch 12 (4 per process)' in output, output[-4000:]
+    assert output.count('BatchNorm statistics now come from 4 images per process, not 6') == 1, output[-4000:]
+    assert 'generating demo dataset' not in output  # --resume without --data: the run's data
+    assert not completed_run_problems(project, 2)

@@ -120,6 +120,16 @@ def parse_args(argv, root: Path, task):
     return opt
 
 
+def given_flags(argv, root: Path, task) -> dict:
+    """{option name: flag} of the flags the command line gives rather than leaves at their defaults: on resume they
+    are this start's own (--device, --workers) or are named as overruled by the run's (yolov9_ddp.runs)."""
+    parser = build_parser(root, task)
+    for action in parser._actions:  # a flag whose default is SUPPRESS is left out of the options unless given
+        action.default = argparse.SUPPRESS
+    given = vars(parser.parse_args(argv))
+    return {action.dest: action.option_strings[0] for action in parser._actions if action.dest in given}
+
+
 def uses_demo(opt) -> bool:
     return opt.data is None
 
@@ -129,8 +139,29 @@ def names_no_model(opt) -> bool:
     return opt.cfg in ('', 'yolo.yaml') and not opt.weights
 
 
+def check_launch(opt):
+    """Reject what this start's flags cannot mean, before they choose the run (and, on resume, its options)."""
+    if opt.ddp_timeout <= 0:
+        raise UsageError('--ddp-timeout must be a positive number of seconds')
+    if opt.resume and opt.auto_resume:
+        raise UsageError('give either --resume or --auto-resume, not both')
+
+
+def divisors(n: int) -> list:
+    """The process counts a global batch of n images splits over evenly."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def uneven_split(batch: int, world_size: int) -> str:
+    """Why a resumed run cannot continue on world_size processes: its global batch is its own, the count is not."""
+    *most, largest = divisors(batch)
+    counts = f'{", ".join(map(str, most))} or {largest}' if most else str(largest)
+    return f"the run's global batch {batch} cannot be split over {world_size} processes; it can over {counts}"
+
+
 def check_options(opt, world_size: int, task):
-    """Reject what cannot work, identically on every rank (so all stop together, before any collective)."""
+    """Reject what cannot work, identically on every rank (so all stop together, before any collective); on resume
+    opt holds the run's own options."""
     ddp = world_size > 1
     if opt.evolve:
         raise UsageError(f'--evolve is not supported by {task.script}; run hyperparameter evolution with '
@@ -142,21 +173,18 @@ def check_options(opt, world_size: int, task):
                          'train on one process or drop the flag')
     if ddp and opt.batch_size == -1:
         raise UsageError('AutoBatch (--batch-size -1) is not compatible with DDP; pass a --batch-size')
-    if ddp and opt.batch_size % world_size:
-        raise UsageError(f'--batch-size {opt.batch_size} is not a multiple of the {world_size} processes; '
+    if ddp and opt.batch_size % world_size:  # a resumed run's batch is its own: other process counts can
+        raise UsageError(uneven_split(opt.batch_size, world_size) if opt.resume else
+                         f'--batch-size {opt.batch_size} is not a multiple of the {world_size} processes; '
                          f'use a multiple of {world_size}')
     if opt.batch_size < -1 or opt.batch_size == 0:
         raise UsageError(f'--batch-size {opt.batch_size} is not a batch size')
     if opt.epochs < 1:
         raise UsageError(f'--epochs {opt.epochs}: train for at least one epoch')
-    if opt.ddp_timeout <= 0:
-        raise UsageError('--ddp-timeout must be a positive number of seconds')
     try:
         levers_for(opt)
     except ValueError as e:
         raise UsageError(str(e)) from e
-    if opt.resume and opt.auto_resume:
-        raise UsageError('give either --resume or --auto-resume, not both')
     for flag in ('data', 'hyp', 'weights'):
         value = getattr(opt, flag)
         if value and not opt.resume and not str(value).startswith(('http://', 'https://')) \

@@ -7,6 +7,7 @@ Ranks come from torchrun's environment: RANK is global (across nodes), LOCAL_RAN
 import contextlib
 import datetime
 import os
+import pickle
 import warnings
 
 import torch
@@ -15,6 +16,8 @@ import torch.distributed as dist
 from yolov9_ddp import environment
 
 DEFAULT_TIMEOUT_S = 3 * 60 * 60  # generous: a first epoch that builds caches may keep ranks apart for long
+DECISION_KEY = 'rank0-decision'  # rank0_decides() in the launch store
+_LAUNCH = {}  # the launch store, once made (launch_store)
 
 
 class Unanimous(Exception):
@@ -191,21 +194,40 @@ def print_banner(device: torch.device, device_arg: str):
         print(environment.banner(device, device_arg, launched_world_size(), backend_for(device)), flush=True)
 
 
-def per_attempt_store(timeout) -> dict:
-    """Under torchrun, a rendezvous store whose keys are private to this restart attempt.
+def launch_store(timeout: datetime.timedelta) -> dist.Store:
+    """The launch's key-value store, made once per process: rank0_decides() sends through it before the process
+    group exists, and the group meets in it (torchrun's agent store; rank 0's TCPStore under a plain env:// launch).
 
-    torchrun keeps one store across the restarts of its workers (--max-restarts). With torch 2.14 the
-    restarted workers find the previous attempt's keys in it and connect to the addresses of dead
-    processes: gloo fails with "connectFullMesh failed ... Connection refused" and the job never resumes.
-    Prefixing the keys with the attempt number gives each attempt a clean rendezvous.
+    Its keys are private to this restart attempt. torchrun keeps one store across the restarts of its workers
+    (--max-restarts). With torch 2.14 the restarted workers find the previous attempt's keys in it and connect to
+    the addresses of dead processes: gloo fails with "connectFullMesh failed ... Connection refused" and the job
+    never resumes. Prefixing the keys with the attempt number gives each attempt a clean rendezvous.
     """
-    attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT')
-    if attempt is None:  # not under torchrun: the default env:// rendezvous
-        return {}
-    store, rank, world_size = next(dist.rendezvous('env://', int(os.environ['RANK']), launched_world_size(),
-                                                   timeout=timeout))
-    return {'store': dist.PrefixStore(f'yolov9-ddp/attempt_{attempt}', store), 'rank': rank,
-            'world_size': world_size}
+    if 'store' not in _LAUNCH:
+        store, _, _ = next(dist.rendezvous('env://', launched_rank(), launched_world_size(), timeout=timeout))
+        attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)
+        _LAUNCH['store'] = dist.PrefixStore(f'yolov9-ddp/attempt_{attempt}', store)
+    return _LAUNCH['store']
+
+
+def rank0_decides(decide, timeout_s: float):
+    """decide() on global rank 0, and its result (not None) on every rank, before the process group exists: what
+    each rank's checks and device depend on (a resumed run's options). An error of decide() is raised on rank 0;
+    the other ranks stop with PeerFailed."""
+    if launched_world_size() <= 1:
+        return decide()
+    store = launch_store(datetime.timedelta(seconds=timeout_s))
+    if launched_rank() == 0:
+        decision = None
+        try:
+            decision = decide()
+        finally:  # None tells the other ranks that rank 0 failed, so that they do not wait for it
+            store.set(DECISION_KEY, pickle.dumps(decision))
+        return decision
+    decision = pickle.loads(store.get(DECISION_KEY))
+    if decision is None:
+        raise PeerFailed('stopping: rank 0 failed before training (its error message says why)')
+    return decision
 
 
 @contextlib.contextmanager
@@ -220,8 +242,9 @@ def process_group(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S):
     if device.type == 'cuda':
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend=backend_for(device), timeout=timeout, device_id=device if device.type == 'cuda' else None,
-                            **per_attempt_store(timeout))
+    dist.init_process_group(backend=backend_for(device), timeout=timeout,
+                            device_id=device if device.type == 'cuda' else None,
+                            store=launch_store(timeout), rank=launched_rank(), world_size=launched_world_size())
     try:
         yield
     finally:

@@ -53,12 +53,14 @@ def main(task_name: str, argv=None, root=None) -> int:
     opt = cli.parse_args(argv, root, task)
     failures.end_children_at_exit()
     try:
+        cli.check_launch(opt)
+        plan = trainer.plan_start(opt, cli.given_flags(argv, root, task))  # a resume: opt is the run's from here
         cli.check_options(opt, comm.launched_world_size(), task)
         device = comm.select_device(opt.device)
         comm.print_banner(device, opt.device)
         with comm.process_group(device, opt.ddp_timeout):
             try:
-                trainer.train(task, opt, device)
+                trainer.train(task, opt, device, plan)
             except Exception as e:  # reported before the group is destroyed: a destroy that hangs cannot hide it
                 return outcome(task, opt, e)
     except Exception as e:  # before the process group exists, or from making it

@@ -1,6 +1,7 @@
 """The run folder: which one a run writes to, and where it resumes from.
 
-Only global rank 0 decides (and creates the folder); the decision is broadcast to the other ranks.
+Only global rank 0 decides, before the process group exists (comm.rank0_decides sends the decision to the other
+ranks), and it creates the folder only once the options have passed their checks.
 
   --resume [last.pt]   continue that run (default: the newest last.pt under the current folder, as upstream)
   --auto-resume        continue PROJECT/NAME if it holds an unfinished run, else start it there
@@ -10,15 +11,27 @@ Only global rank 0 decides (and creates the folder); the decision is broadcast t
   otherwise            a new PROJECT/NAME{,2,3,...} folder, as upstream's increment_path
 
 run.json in the folder records the launcher's job id, the last epoch saved and whether training finished.
+
+A resumed run keeps its own options, from its opt.yaml (as upstream's --resume): its global batch, schedule, data,
+model and hyperparameters, whatever this start's command line says. Only how this start runs (START_OPTIONS) may
+be given again; what is not given is the run's too. The world size is this start's: each process takes the global
+batch / the number of processes.
 """
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from yolov9_ddp.checkpoint import CheckpointError, fsync_dir, previous_path
 
 RUN_RECORD = 'run.json'
+START_OPTIONS = ('device', 'workers', 'ddp_timeout', 'save_on_signal')  # this start's where given, else the run's
+LAUNCH_OPTIONS = ('local_rank', 'auto_resume')  # always this start's: how it was launched
+# given on resume without being overruled: --resume itself, the checkpoint that replaces --weights, and the levers,
+# which change the run's (yolov9_ddp.levers.resumed_levers)
+NOT_OVERRULED = ('resume', 'weights', 'levers', 'channels_last')
 
 
 @dataclass(frozen=True)
@@ -104,3 +117,44 @@ def plan_run(opt, latest_run, increment_path) -> RunPlan:
 def start_record(plan: RunPlan):
     (plan.save_dir / 'weights').mkdir(parents=True, exist_ok=True)
     write_record(plan.save_dir, job=launcher_job_id(), finished=False)
+
+
+def saved_options(plan: RunPlan) -> dict:
+    """The run's opt.yaml (rank 0 reads it: the other ranks may not see the folder, and rank 0 rewrites it)."""
+    saved = plan.save_dir / 'opt.yaml'
+    try:
+        options = yaml.safe_load(saved.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise CheckpointError(f'{saved} is unreadable ({e}): cannot resume the run in {plan.save_dir}')
+    if not isinstance(options, dict):
+        raise CheckpointError(f'{saved} holds no options: cannot resume the run in {plan.save_dir}')
+    return options
+
+
+def resumed_options(options: dict, recorded: dict, given: dict) -> dict:
+    """The options of a resumed start: the run's recorded ones, except how this start was launched and the start
+    options its command line gives (given: {option name: flag}, cli.given_flags)."""
+    own = {k: v for k, v in options.items() if k in LAUNCH_OPTIONS or (k in START_OPTIONS and k in given)}
+    return {**options, **recorded, **own}
+
+
+def overruled_flags(options: dict, recorded: dict, given: dict) -> list:
+    """'--flag VALUE (the run has X)' for each flag given to a resumed start that the run's own value overrules."""
+    kept = START_OPTIONS + LAUNCH_OPTIONS + NOT_OVERRULED
+    return [f'{flag} {options[name]} (the run has {shown(recorded[name])})' for name, flag in given.items()
+            if name in recorded and name not in kept and not same_setting(options[name], recorded[name])]
+
+
+def same_setting(given, recorded) -> bool:
+    """Whether a given flag says what the run recorded: a --hyp file names the hyperparameters a run records."""
+    if isinstance(recorded, dict):
+        try:
+            named = yaml.safe_load(Path(given).read_text())
+        except (OSError, yaml.YAMLError):
+            return False
+        return isinstance(named, dict) and all(recorded.get(k) == v for k, v in named.items())
+    return str(given) == str(recorded)
+
+
+def shown(recorded) -> str:
+    return 'its own, in opt.yaml' if isinstance(recorded, dict) else str(recorded)

@@ -43,7 +43,7 @@ NOMINAL_BATCH = 64  # upstream's nbs: gradients are accumulated up to this many 
 
 def configure_logging():
     """Rank 0 logs as upstream; other ranks keep warnings and errors only, prefixed with their rank."""
-    rank = comm.get_rank()
+    rank = comm.launched_rank()  # also before the process group exists
     if rank == 0:
         return
     LOGGER.setLevel(logging.WARNING)
@@ -72,45 +72,48 @@ def resolve_model_files(opt):
         raise cli.UsageError('either --cfg or --weights must be specified')
 
 
-def saved_options(plan) -> dict:
-    """The run's opt.yaml (rank 0 reads it: the other ranks may not see the folder, and rank 0 rewrites it)."""
-    saved = plan.save_dir / 'opt.yaml'
-    try:
-        options = yaml.safe_load(saved.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise checkpoint.CheckpointError(f'{saved} is unreadable ({e}): cannot resume the run in {plan.save_dir}')
-    if not isinstance(options, dict):
-        raise checkpoint.CheckpointError(f'{saved} holds no options: cannot resume the run in {plan.save_dir}')
-    return options
-
-
-def restore_resumed_options(opt, plan):
-    """On resume, take the run's saved options (as upstream), keeping this launch's device and kit settings."""
-    launch = {k: getattr(opt, k) for k in ('device', 'workers', 'ddp_timeout', 'local_rank', 'auto_resume',
-                                           'save_on_signal')}
+def restore_resumed_options(opt, plan, given: dict):
+    """On resume, take the run's saved options (as upstream), this start's own where its command line gives them
+    (yolov9_ddp.runs); one line names the given flags that the run's own values overrule."""
     given_levers = requested_levers(opt)
-    vars(opt).update(plan.options, **launch)
+    overruled = runs.overruled_flags(vars(opt), plan.options, given)
+    vars(opt).update(runs.resumed_options(vars(opt), plan.options, given))
     opt.levers = resumed_levers(plan.options, given_levers, LOGGER.info)
     opt.resume, opt.weights = True, str(plan.resume_from)
     if opt.cfg and not Path(opt.cfg).is_file():  # a relative path from another folder: the checkpoint's own yaml
         opt.cfg = ''
+    if overruled and comm.launched_rank() == 0:
+        LOGGER.warning(f"WARNING: a resumed run keeps its own options (opt.yaml), so these flags are ignored: "
+                       f"{', '.join(overruled)}")
 
 
-def plan_and_create_run(opt) -> runs.RunPlan:
-    """Rank 0 decides the run folder (creating it), every rank learns the decision."""
-    plan, error = None, None
-    if comm.is_primary():
+def plan_run(opt) -> runs.RunPlan:
+    """The run folder (runs.plan_run) and, for a resume, the run's saved options: rank 0 reads them."""
+    plan = runs.plan_run(opt, get_latest_run, increment_path)
+    return plan if plan.resume_from is None else replace(plan, options=runs.saved_options(plan))
+
+
+def plan_start(opt, given: dict = None) -> runs.RunPlan:
+    """Before the process group: rank 0 decides the run, every rank learns it, and a resume takes the run's own
+    options, so that the checks and the device of every rank are the run's, not the command line's defaults (issue
+    21). given: the flags the command line gives (cli.given_flags)."""
+    configure_logging()
+    plan = comm.rank0_decides(lambda: plan_run(opt), opt.ddp_timeout)
+    if plan.resume_from is not None:
+        restore_resumed_options(opt, plan, given or {})
+    return plan
+
+
+def create_run(plan: runs.RunPlan):
+    """Rank 0 creates the run folder and records the start (nothing is written before the checks pass)."""
+    error = None
+    if comm.is_primary() and not plan.finished:
         try:
-            plan = runs.plan_run(opt, get_latest_run, increment_path)
-            if plan.resume_from is not None:
-                plan = replace(plan, options=saved_options(plan))
-            if not plan.finished:
-                runs.start_record(plan)
-                checkpoint.remove_stale_temporaries(plan.save_dir / 'weights')  # of a writer killed mid-save
-        except (checkpoint.CheckpointError, OSError) as e:
+            runs.start_record(plan)
+            checkpoint.remove_stale_temporaries(plan.save_dir / 'weights')  # of a writer killed mid-save
+        except OSError as e:
             error = e
     comm.raise_if_any_failed(error)
-    return comm.broadcast_object(plan)
 
 
 def load_everywhere(load) -> dict:
@@ -310,6 +313,17 @@ class Trainer:
         self.best_fitness = ckpt.get('best_fitness') or 0.0
         self.start_epoch = ckpt['epoch'] + 1  # all epochs done (killed while finishing): fit() only finishes
         LOGGER.info(f'Resuming training from {self.opt.weights} at epoch {self.start_epoch} of {self.opt.epochs}')
+        self.warn_if_batchnorm_batch_changes(ckpt.get('world_size'))  # None: a checkpoint of an earlier kit
+
+    def warn_if_batchnorm_batch_changes(self, previous_world):
+        """Without SyncBatchNorm each process normalises its own images: on another number of processes BatchNorm
+        sees batches of another size, so the run's statistics (and results) change, although its global batch,
+        learning rates and gradients do not."""
+        if not self.primary or previous_world in (None, self.world) or (self.opt.sync_bn and self.cuda):
+            return
+        LOGGER.warning(f'WARNING: the run continues on {self.world} process(es) instead of {previous_world}: '
+                       f'BatchNorm statistics now come from {self.batch_size // self.world} images per process, '
+                       f'not {self.batch_size // previous_world}')
 
     def build_loaders(self, gs):
         opt, per_rank, levers = self.opt, self.batch_size // self.world, self.levers
@@ -531,6 +545,7 @@ class Trainer:
             'updates': self.ema.updates,
             'optimizer': self.optimizer.state_dict(),
             'scaler': self.scaler.state_dict(),
+            'world_size': self.world,  # a resume on another number of processes says what that changes
             'opt': {k: v for k, v in vars(self.opt).items() if k != 'save_dir'},
             'git': None,
             'date': datetime.now().isoformat(),
@@ -561,21 +576,19 @@ class Trainer:
         LOGGER.info(f'{colorstr("bold", "Final:")} {self.task.summary(self.results)}  ({self.best})')
 
 
-def prepare_trainer(task, opt, device):
-    """Everything before the first epoch, inside the process group: a set-up Trainer, or None if done already."""
-    configure_logging()
+def prepare_trainer(task, opt, device, plan):
+    """Everything before the first epoch, inside the process group: a set-up Trainer, or None if done already.
+    plan: plan_start()'s, made before the group."""
     if comm.is_primary():  # as upstream's print_args(), which would name this module instead of the entry point
         options = ', '.join(f'{k}={v}' for k, v in vars(opt).items())
         LOGGER.info(colorstr(f'{Path(task.script).with_suffix("")}: ') + options)
         slurm.warn_if_requeued_without_resume(opt, LOGGER.warning)
-    opt.data = resolve_data(task, opt)
-    plan = plan_and_create_run(opt)
+    opt.data = resolve_data(task, opt)  # a resume has the run's --data already: no demo dataset is made
+    create_run(plan)
     LOGGER.info(plan.reason)
     if plan.finished:
         return None
-    if plan.resume_from is not None:
-        restore_resumed_options(opt, plan)
-    else:
+    if plan.resume_from is None:
         resolve_model_files(opt)
     opt.save_dir = str(plan.save_dir)
     trainer = Trainer(task, opt, device, plan)
@@ -587,8 +600,8 @@ def prepare_trainer(task, opt, device):
     return trainer
 
 
-def train(task, opt, device):
-    trainer = prepare_trainer(task, opt, device)
+def train(task, opt, device, plan):
+    trainer = prepare_trainer(task, opt, device, plan)
     if trainer is None:
         return
     try:

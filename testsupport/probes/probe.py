@@ -212,10 +212,11 @@ def main():
     count_cache_builds()
     count_decodes()
     opt = cli.parse_args(argv, ROOT, TASK)
+    plan = kit_trainer.plan_start(opt)
     cli.check_options(opt, comm.launched_world_size(), TASK)
     device = comm.select_device(opt.device)
     with comm.process_group(device, 300):
-        trainer = kit_trainer.prepare_trainer(TASK, opt, device)
+        trainer = kit_trainer.prepare_trainer(TASK, opt, device, plan)
         observed = comm.all_gather_object({mode: PROBES[mode](trainer) for mode in modes})
         if comm.is_primary():
             out.write_text(json.dumps({'ranks': observed, 'world': trainer.world}))
