@@ -1,9 +1,9 @@
 """Every upstream training script, and what users run after it, in the patched tree on today's stack, offline.
 
 For train.py, train_dual.py, train_triple.py, segment/train.py, segment/train_dual.py, panoptic/train.py and
-classify/train.py: one epoch from scratch on CPU on tiny generated data, a fine-tune from the last.pt it saved
-(--weights), a --resume of an interrupted run (detection, segmentation, panoptic), then the script's val and
-predict counterparts on the fine-tuned best.pt. Then export.py (TorchScript, run again by detect.py) and hubconf.py
+classify/train.py: one epoch on CPU on tiny generated data, fine-tuning an untrained checkpoint (--weights: the
+path from scratch and the loading of weights in one run), a --resume of it as if interrupted after that epoch
+(detection, segmentation, panoptic), then the script's val and predict counterparts on the best.pt it saved. Then export.py (TorchScript, run again by detect.py) and hubconf.py
 (a local .pt through custom()). Each run must end with exit status 0, without a traceback, a deprecated
 torch.cuda.amp call, a download or a pip install (the network is blocked; patches 0001-0013 make this possible).
 
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from testsupport.faults import results_epochs
 from testsupport.trees import KIT, describe, offline_environment, run_python
@@ -93,20 +94,20 @@ def train_args(task: Task, data: Path, project: Path, name: str, weights, *extra
     return ['--data', data, '--cfg', MODELS / task.cfg, '--hyp', HYP, '--weights', weights, '--noplots', *common]
 
 
-# A from-scratch model for classify/train.py, which takes no config: the kit's tiny detector, which classify/train.py
-# cuts into a backbone and a Classify head as it does upstream's detection checkpoints.
+# An untrained checkpoint of the task's tiny model, as upstream's released weights are saved ({'model': Model}). For
+# classify/train.py, which takes no config, the tiny detector: it cuts that into a backbone and a Classify head as it
+# does upstream's detection checkpoints.
 UNTRAINED_PT = '''
 import sys, torch
 from models.yolo import Model
-torch.save({'model': Model(sys.argv[1], ch=3, nc=3)}, sys.argv[2])
+torch.save({'model': Model(sys.argv[1], ch=3, nc=int(sys.argv[3]))}, sys.argv[2])
 '''
 
 
-def from_scratch(tree, env, task: Task, project: Path) -> str:
-    if task.labels != 'classes':
-        return ''
+def untrained(tree, env, task: Task, data: Path, project: Path) -> Path:
     weights = project / 'untrained.pt'
-    result = run_python(UNTRAINED_PT, tree, env, args=[MODELS / task.cfg, weights])
+    classes = 3 if task.labels == 'classes' else len(yaml.safe_load(data.read_text())['names'])
+    result = run_python(UNTRAINED_PT, tree, env, args=[MODELS / task.cfg, weights, classes])
     assert result.returncode == 0, describe(result)
     return weights
 
@@ -118,27 +119,35 @@ def interrupted_after_the_first_epoch(run: Path) -> Path:
     return run / 'weights' / 'epoch0.pt'
 
 
+@pytest.fixture(scope='module')
+def trained(patched_tree, datasets, env, tmp_path_factory):
+    """trained(name): the folder of the task's training run (PROJECT/exp), resumed where the task resumes; once."""
+    projects = {}
+
+    def train(name: str) -> Path:
+        if name not in projects:
+            task, project = TASKS[name], tmp_path_factory.mktemp(name)
+            data = datasets(task.labels)
+            resumable = ['--save-period', 1] if task.resumes else []
+            weights = untrained(patched_tree, env, task, data, project)
+            run_script(patched_tree, env, task.train, *train_args(task, data, project, 'exp', weights, *resumable))
+            if task.resumes:
+                before = results_epochs(project / 'exp')
+                run_script(patched_tree, env, task.train, '--resume',
+                           interrupted_after_the_first_epoch(project / 'exp'))
+                assert results_epochs(project / 'exp')[len(before)] == 1, 'the resumed run did not continue at epoch 1'
+            projects[name] = project
+        return projects[name] / 'exp'
+    return train
+
+
 @pytest.mark.parametrize('name', TASKS)
-def test_train_fine_tune_resume_validate_and_predict_offline(name, patched_tree, datasets, env, tmp_path):
-    task = TASKS[name]
+def test_train_fine_tune_resume_validate_and_predict_offline(name, patched_tree, datasets, trained, env, tmp_path):
+    task, run = TASKS[name], trained(name)
     data, project = datasets(task.labels), tmp_path / 'runs'
-    project.mkdir()
     images = data.parent / ('val' if task.labels == 'classes' else 'images/val')
-
-    resumable = ['--save-period', 1] if task.resumes else []
-    scratch = train_args(task, data, project, 'scratch', from_scratch(patched_tree, env, task, project), *resumable)
-    run_script(patched_tree, env, task.train, *scratch)
-    last = project / 'scratch' / 'weights' / 'last.pt'
-    assert last.is_file()
-
-    run_script(patched_tree, env, task.train, *train_args(task, data, project, 'fine-tuned', last))
-    best = project / 'fine-tuned' / 'weights' / 'best.pt'
-    assert best.is_file()
-
-    if task.resumes:
-        before = results_epochs(project / 'scratch')
-        run_script(patched_tree, env, task.train, '--resume', interrupted_after_the_first_epoch(project / 'scratch'))
-        assert results_epochs(project / 'scratch')[len(before)] == 1, 'the resumed run did not continue at epoch 1'
+    best = run / 'weights' / 'best.pt'
+    assert best.is_file() and (run / 'weights' / 'last.pt').is_file()
 
     validation = ['--data', data.parent if task.labels == 'classes' else data, '--weights', best, '--batch-size', 8,
                   '--imgsz', IMGSZ, '--device', 'cpu', '--workers', 0, '--project', project, '--name', 'val']
@@ -153,11 +162,9 @@ def test_train_fine_tune_resume_validate_and_predict_offline(name, patched_tree,
 
 
 @pytest.fixture(scope='module')
-def detector(patched_tree, datasets, env, tmp_path_factory) -> Path:
-    """best.pt of one epoch of train.py with the kit's tiny single-head model."""
-    project = tmp_path_factory.mktemp('detector')
-    run_script(patched_tree, env, 'train.py', *train_args(TASKS['detect'], datasets('boxes'), project, 'exp', ''))
-    return project / 'exp' / 'weights' / 'best.pt'
+def detector(trained) -> Path:
+    """best.pt of train.py's run with the kit's tiny single-head model."""
+    return trained('detect') / 'weights' / 'best.pt'
 
 
 def test_export_to_torchscript_and_detect_with_it(patched_tree, detector, datasets, env, tmp_path):
