@@ -19,6 +19,8 @@ import pytest
 from testsupport.trees import TINY_CFG, describe, run_python
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
+# One process at a time (upstream's scripts): a slow test here may share the 2 cores with another test.
+pytestmark = pytest.mark.one_core
 TRAIN_TIMEOUT_S = 600
 BLOCKED = 'network blocked by the yolov9-ddp tests'
 
@@ -405,6 +407,7 @@ def race_label_cache_writers(tree: Path, images: Path, env: dict, sync: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.cores  # two writers and a reader, timed against each other
 @pytest.mark.parametrize('fixed', [False, True], ids=['without-0010', 'patched'])
 def test_0010_label_cache_is_never_seen_half_written(fixed, tree_without, patched_tree, offline_env, tmp_path):
     tree = patched_tree if fixed else tree_without(10)

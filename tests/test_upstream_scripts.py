@@ -22,7 +22,7 @@ from testsupport.faults import results_epochs
 from testsupport.trees import KIT, describe, offline_environment, run_python
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slow, pytest.mark.one_core, pytest.mark.timeout(1200)]
 
 MODELS = KIT / 'yolov9_ddp' / 'models'
 RUN_TIMEOUT_S = 600

@@ -1,5 +1,5 @@
 """Two pytest-xdist workers on 2 cores, without oversubscribing them: a test that runs multi-process jobs (marked
-`slow` or `cores`) has the machine to itself, while the other tests run two at a time. Their timings, and the
+`cores`, or `slow` without `one_core`) has the machine to itself, while the other tests run two at a time. Their timings, and the
 deadlines the fault tests derive from them, stay those of a machine that runs one job.
 
 A reader-writer lock on two files shared by the workers of one run, writer-preferring: a machine-wide test waits
@@ -10,7 +10,6 @@ import os
 import tempfile
 from pathlib import Path
 
-MACHINE_WIDE = ('slow', 'cores')  # the markers of tests that use every core
 SHARE = 'YOLOV9_TEST_CORES'  # 'machine' or 'shared': what the running test holds (jobs.torchrun_cmd checks it)
 
 
@@ -34,7 +33,8 @@ def flocked(path: Path, mode: int):
 @contextlib.contextmanager
 def cores_for(item):
     """Hold the machine (or a share of it) while item runs; nothing to hold without xdist."""
-    machine_wide = any(item.get_closest_marker(name) for name in MACHINE_WIDE)
+    marked = {mark.name for mark in item.iter_markers()}
+    machine_wide = 'cores' in marked or ('slow' in marked and 'one_core' not in marked)
     if 'PYTEST_XDIST_WORKER' not in os.environ:
         yield
         return
@@ -52,5 +52,5 @@ def cores_for(item):
 def check_machine_wide(nproc: int):
     """A test running a multi-process job beside another test would slow both and make deadlines flaky."""
     if nproc > 1 and os.environ.get(SHARE) == 'shared':
-        raise AssertionError(f'a test that runs {nproc} processes must be marked slow or cores '
+        raise AssertionError(f'a test that runs {nproc} processes must be marked cores, or slow without one_core '
                              f'(testsupport/cores.py)')
