@@ -18,7 +18,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from testsupport.faults import ERROR_LINE, KILL_FAULTS, kill_scenario, signal_scenario
+from testsupport.faults import KILL_FAULTS, error_lines, kill_scenario, signal_scenario
 from testsupport.jobs import job_env, run, torchrun_cmd, train_args
 from testsupport.trees import KIT, copy_tree, describe, run_applier, snapshot
 from yolov9_ddp import environment
@@ -124,7 +124,7 @@ def the_error_line(result, *fragments) -> str:
     kit's script in the output (torchrun's own report of a failed worker is not ours)."""
     output = result.stdout + result.stderr
     assert result.returncode != 0, describe(result)
-    lines = [line[line.index(ERROR_LINE):] for line in output.splitlines() if ERROR_LINE in line]
+    lines = error_lines(output)
     assert len(lines) == 1, f'expected one error line, got {lines}\n{describe(result)}'
     for fragment in fragments:
         assert fragment in lines[0], f'{fragment!r} not in {lines[0]!r}'

@@ -9,6 +9,7 @@ import torch
 import yaml
 
 from testsupport import faults
+from testsupport.jobs import launch_cmd
 from yolov9_ddp import checkpoint
 from yolov9_ddp.levers import (Levers, describe, fused_optimizer, levers_for, parse_levers, record_levers,
                                requested_levers, resumed_levers)
@@ -169,8 +170,9 @@ def test_a_resume_trains_with_the_runs_levers_unless_given_again(patched_tree, i
                                                                   given, expected, change):
     assert recorded_levers(interrupted_with_levers) == (RECORDED, RECORDED)
     run_dir = shutil.copytree(interrupted_with_levers, tmp_path / 'runs' / 'exp')
-    job = faults.start_job(faults.faulty_single(['--resume', run_dir / 'weights' / 'last.pt', '--device', 'cpu',
-                                                 '--workers', 0, *given]), patched_tree, tmp_path, 'resumed')
+    resume = launch_cmd(1, faults.FAULTY, '--resume', run_dir / 'weights' / 'last.pt', '--device', 'cpu', '--workers', 0,
+                        *given)
+    job = faults.start_job(resume, patched_tree, tmp_path, 'resumed')
     assert job.wait(300) == 0, job.output()[-3000:]
     assert recorded_levers(run_dir) == (expected, expected)
     changes = [line for line in job.output().splitlines() if 'levers changed' in line]

@@ -12,10 +12,9 @@ import pytest
 
 from testsupport import jobs
 from testsupport.jobs import task_cfg, torchrun_cmd
-from testsupport.trees import KIT, describe, run_python
+from testsupport.trees import KIT, MODELS, describe, run_python
 from yolov9_ddp.tasks import TASKS
 
-MODELS = KIT / 'yolov9_ddp' / 'models'
 NO_TARGETS_PROBE = KIT / 'testsupport' / 'probes' / 'ddp_no_targets.py'
 
 

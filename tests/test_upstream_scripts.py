@@ -19,12 +19,11 @@ import pytest
 import yaml
 
 from testsupport.faults import results_epochs
-from testsupport.trees import KIT, describe, offline_environment, run_python
+from testsupport.trees import MODELS, describe, offline_environment, run_python
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
 pytestmark = [pytest.mark.slow, pytest.mark.one_core, pytest.mark.timeout(1200)]
 
-MODELS = KIT / 'yolov9_ddp' / 'models'
 RUN_TIMEOUT_S = 600
 TRAIN_IMAGES, VAL_IMAGES, IMGSZ = 16, 8, 64
 HYP = 'data/hyps/hyp.scratch-high.yaml'  # segment/ and panoptic/ default to hyp.scratch-low.yaml, which upstream lacks

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from testsupport.imagecache import parent_of
-from testsupport.jobs import TORCHRUN, job_env, run, task_cfg, torchrun_cmd, train_args
+from testsupport.jobs import TORCHRUN, job_env, launch_cmd, run, task_cfg, torchrun_cmd, train_args
 from testsupport.trees import TINY_CFG
 
 DUAL = 'detect-dual'  # the task of ddp_train_dual.py (yolov9_ddp.tasks), the default of every scenario
@@ -81,15 +81,6 @@ def start_job(cmd, tree, workdir: Path, name: str, fault: str = '', **env) -> Jo
 
 def faulty_torchrun(nproc, args, max_restarts=0) -> list:
     return torchrun_cmd(nproc, '--max-restarts', max_restarts, FAULTY, *args)
-
-
-def faulty_single(args) -> list:
-    return [sys.executable, FAULTY, *args]
-
-
-def faulty_launch(nproc, args) -> list:
-    """torchrun for several processes, a plain python process for one."""
-    return faulty_torchrun(nproc, args) if nproc > 1 else faulty_single(args)
 
 
 def node_cmd(nnodes: int, endpoint: str, run_id: str, *args) -> list:
@@ -437,7 +428,7 @@ def signal_scenario(tree, data, workdir: Path, signum=signal.SIGTERM, save_on_si
     last = project / 'exp' / 'weights' / 'last.pt'
     extra = [*WORKERS] + (['--save-on-signal'] if save_on_signal else [])
     args = fault_args(data, project, epochs, *extra, task=task)
-    job = start_job(faulty_launch(nproc, args), tree, workdir, 'stopped', MARK_SLOW, FAULT_TASK=task)
+    job = start_job(launch_cmd(nproc, FAULTY, *args), tree, workdir, 'stopped', MARK_SLOW, FAULT_TASK=task)
     wait_for_path(job.records / 'mark-mark', job)
     before = weights_snapshot(project / 'exp')
     signalled = time.monotonic()
@@ -555,7 +546,7 @@ def damage(path: Path, how: str, tree=None):
 
 
 def resume_job(tree, workdir: Path, last: Path, name='resumed', nproc=2, fault='', task=DUAL) -> Job:
-    return start_job(faulty_launch(nproc, ['--resume', last, '--device', 'cpu', '--workers', 0]), tree, workdir,
+    return start_job(launch_cmd(nproc, FAULTY, '--resume', last, '--device', 'cpu', '--workers', 0), tree, workdir,
                      name, fault, FAULT_TASK=task)
 
 

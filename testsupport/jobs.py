@@ -38,6 +38,11 @@ def torchrun_cmd(nproc: int, *args, launcher=('--nnodes', '1')) -> list:
             '--master_addr', '127.0.0.1', '--master_port', str(free_port()), *map(str, args)]
 
 
+def launch_cmd(nproc: int, script, *args) -> list:
+    """torchrun for several processes, a plain python process for one."""
+    return torchrun_cmd(nproc, script, *args) if nproc > 1 else [sys.executable, *map(str, (script, *args))]
+
+
 def run(cmd, cwd, timeout=300, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=env or job_env(), capture_output=True, text=True, timeout=timeout)
 
@@ -67,8 +72,7 @@ def task_cfg(task: str) -> Path:
 def run_probe(tree, nproc, modes: str, out: Path, args, config=None, timeout=300) -> list:
     """Run testsupport/probes/probe.py MODES under torchrun (nproc > 1) or as one process: [{mode: what rank r
     observed}, for each rank r]."""
-    script = [PROBE, modes, out, *args]
-    cmd = torchrun_cmd(nproc, *script) if nproc > 1 else [sys.executable, *map(str, script)]
+    cmd = launch_cmd(nproc, PROBE, modes, out, *args)
     result = run(cmd, tree, timeout, job_env(PROBE_CONFIG=json.dumps(config or {})))
     assert result.returncode == 0, f'probe {modes} x{nproc} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}'
     report = json.loads(out.read_text())

@@ -29,7 +29,8 @@ PATCHES = KIT / 'patches'
 SERIES = [name for name in (line.split('#', 1)[0].strip() for line in (PATCHES / 'series').read_text().splitlines())
           if name]
 NETBLOCK = Path(__file__).resolve().parent / 'netblock'  # put first on PYTHONPATH: no network
-TINY_CFG = KIT / 'yolov9_ddp' / 'models' / 'tiny-dual.yaml'  # the kit's tiny dual-head model config
+MODELS = KIT / 'yolov9_ddp' / 'models'  # the kit's tiny model configs, one per head
+TINY_CFG = MODELS / 'tiny-dual.yaml'  # the tiny dual-head model
 DEMO_SPEC = DemoSpec(train=32, val=16, imgsz=64)
 # Never part of a tree's content: git's own folder, and bytecode Python writes when a test imports from a tree.
 NOT_CONTENT = ('.git', '__pycache__')
