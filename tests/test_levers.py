@@ -170,8 +170,8 @@ def test_a_resume_trains_with_the_runs_levers_unless_given_again(patched_tree, i
                                                                   given, expected, change):
     assert recorded_levers(interrupted_with_levers) == (RECORDED, RECORDED)
     run_dir = shutil.copytree(interrupted_with_levers, tmp_path / 'runs' / 'exp')
-    resume = launch_cmd(1, faults.FAULTY, '--resume', run_dir / 'weights' / 'last.pt', '--device', 'cpu', '--workers', 0,
-                        *given)
+    resume = launch_cmd(1, faults.FAULTY, '--resume', run_dir / 'weights' / 'last.pt', '--device', 'cpu',
+                        '--workers', 0, *given)
     job = faults.start_job(resume, patched_tree, tmp_path, 'resumed')
     assert job.wait(300) == 0, job.output()[-3000:]
     assert recorded_levers(run_dir) == (expected, expected)
