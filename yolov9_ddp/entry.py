@@ -18,6 +18,7 @@ from yolov9_ddp.environment import exit_if_unsupported  # noqa: E402
 exit_if_unsupported(Path(sys.argv[0]).name)  # a too-old torch or no OpenCV: one line, not upstream's traceback
 
 from yolov9_ddp import checkpoint, cli, comm, data, failures, shutdown, trainer  # noqa: E402
+from yolov9_ddp.levers import CUBLAS_WORKSPACE  # noqa: E402
 from yolov9_ddp.tasks import TASKS  # noqa: E402
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
@@ -51,6 +52,8 @@ def fail(script: str, error: Exception) -> int:
 def main(task_name: str, argv=None, root=None) -> int:
     task = TASKS[task_name]
     opt = cli.parse_args(argv, root, task)
+    if opt.deterministic:  # read when cuBLAS starts: before any CUDA work
+        os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', CUBLAS_WORKSPACE)
     failures.end_children_at_exit()
     try:
         cli.check_options(opt, comm.launched_world_size(), task)

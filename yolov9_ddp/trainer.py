@@ -34,7 +34,8 @@ from utils.torch_utils import EarlyStopping, ModelEMA, smart_optimizer
 from yolov9_ddp import checkpoint, cli, comm, data, failures, runs, shutdown, slurm
 from yolov9_ddp.demo_data import ensure_demo_dataset
 from yolov9_ddp.ema import EmaUpdater, synchronize_ema
-from yolov9_ddp.levers import fused_optimizer, record_levers, requested_levers, resumed_levers
+from yolov9_ddp.levers import (DETERMINISTIC, activations_out_of_place, fused_optimizer, record_levers,
+                               requested_levers, resumed_levers, use_deterministic_algorithms)
 
 NOMINAL_BATCH = 64  # upstream's nbs: gradients are accumulated up to this many images per optimizer step
 
@@ -88,7 +89,11 @@ def restore_resumed_options(opt, plan):
     """On resume, take the run's saved options (as upstream), keeping this launch's device and kit settings."""
     launch = {k: getattr(opt, k) for k in ('device', 'workers', 'ddp_timeout', 'local_rank', 'auto_resume',
                                            'save_on_signal')}
-    given_levers = requested_levers(opt)
+    launch['deterministic'] = opt.deterministic or bool(plan.options.get('deterministic'))  # once set, kept
+    try:
+        given_levers = requested_levers({**vars(opt), 'deterministic': launch['deterministic']})
+    except ValueError as e:
+        raise cli.UsageError(f'{e} (the run in {plan.save_dir} is deterministic)') from e
     vars(opt).update(plan.options, **launch)
     opt.levers = resumed_levers(plan.options, given_levers, LOGGER.info)
     opt.resume, opt.weights = True, str(plan.resume_from)
@@ -206,8 +211,14 @@ class Trainer:
             for action in methods(loggers):
                 self.callbacks.register_action(action, callback=getattr(loggers, action))
         self.callbacks.run('on_pretrain_routine_start')
-        init_seeds(opt.seed + 1 + self.rank, deterministic=not self.levers.cudnn_benchmark)
+        init_seeds(opt.seed + 1 + self.rank)
+        if opt.deterministic or not self.levers.cudnn_benchmark:  # upstream's choice of algorithms
+            use_deterministic_algorithms(opt.seed + 1 + self.rank)
         torch.backends.cudnn.benchmark = self.levers.cudnn_benchmark
+        if opt.deterministic:
+            LOGGER.info(f'--deterministic: levers {", ".join(f"{k}={int(v)}" for k, v in DETERMINISTIC.items())}, '
+                        f'torch.use_deterministic_algorithms(True), '
+                        f'CUBLAS_WORKSPACE_CONFIG={os.environ["CUBLAS_WORKSPACE_CONFIG"]}')
         self.data_dict = comm.run_staged(self.check_data)  # may download: rank 0 first
         self.nc = 1 if opt.single_cls else int(self.data_dict['nc'])
         names = self.data_dict['names']
@@ -271,6 +282,8 @@ class Trainer:
             if any(prefix in name for prefix in frozen):
                 LOGGER.info(f'freezing {name}')
                 parameter.requires_grad = False
+        if self.levers.act_out_of_place:
+            activations_out_of_place(model)
         if self.levers.channels_last:  # before the optimizer: fused SGD needs its buffers in the weights' layout
             model.to(memory_format=torch.channels_last)
         self.model = self.raw_model = model
