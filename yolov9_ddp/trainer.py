@@ -34,8 +34,8 @@ from utils.torch_utils import EarlyStopping, ModelEMA, smart_optimizer
 from yolov9_ddp import checkpoint, cli, comm, data, failures, runs, shutdown, slurm
 from yolov9_ddp.demo_data import ensure_demo_dataset
 from yolov9_ddp.ema import EmaUpdater, synchronize_ema
-from yolov9_ddp.levers import (DETERMINISTIC, activations_out_of_place, fused_optimizer, record_levers,
-                               requested_levers, resumed_levers, use_deterministic_algorithms)
+from yolov9_ddp.levers import (DETERMINISTIC, fused_optimizer, record_levers, requested_levers, resumed_levers,
+                               use_deterministic_algorithms)
 
 NOMINAL_BATCH = 64  # upstream's nbs: gradients are accumulated up to this many images per optimizer step
 
@@ -282,8 +282,6 @@ class Trainer:
             if any(prefix in name for prefix in frozen):
                 LOGGER.info(f'freezing {name}')
                 parameter.requires_grad = False
-        if self.levers.act_out_of_place:
-            activations_out_of_place(model)
         if self.levers.channels_last:  # before the optimizer: fused SGD needs its buffers in the weights' layout
             model.to(memory_format=torch.channels_last)
         self.model = self.raw_model = model
