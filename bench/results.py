@@ -28,6 +28,16 @@ TARGETS = {  # key, for N GPUs (the keys name 2 GPUs where N is 2) -> what its r
                               "the kit's defaults against upstream's numerics (same seed within a pair)",
     'ram_cache_{n}ranks_vs_1rank': 'node memory holding the --cache ram images with N ranks / with 1 rank',
 }
+# issue 23's targets, on one H200: keys of their own beside issue 15's
+ONE_GPU_TARGETS = {
+    'per_gpu_vs_upstream_1gpu': "kit img/s / upstream train_dual.py's, 1 GPU, same data (second epoch, from "
+                                'results.csv)',
+    'in_loop_vs_gpu_only_1gpu': "kit img/s in its training loop (its 'epoch 1' log line) / its GPU-only step on a "
+                                'batch already on the GPU, same levers, 1 GPU',
+    'deterministic_vs_upstream_1gpu': "kit img/s with --deterministic / upstream train_dual.py's, 1 GPU (second "
+                                      'epoch, from results.csv)',
+    'checkpoint_minutes_1_vs_none_1gpu': 'kit img/s with a step checkpoint every minute / without, 1 GPU',
+}
 PARITY = 'parity_map50_95_points'
 # results.json's "targets" are issue 15's, named for 2 GPUs; a call on another number of GPUs adds its pairs under
 # its own keys (per_gpu_vs_upstream_1gpu, ...), and only its GPU-count-free ones (in_loop_vs_gpu_only,
@@ -54,6 +64,11 @@ def targets_from(pairs: dict, n: int) -> dict:
     return targets
 
 
+def one_gpu_targets(pairs: dict) -> dict:
+    """Issue 23's targets: the median ratio of each key's pairs, None where none were run."""
+    return {key: median_ratio(pairs[key]) if key in pairs else None for key in ONE_GPU_TARGETS}
+
+
 def summarise(series: dict) -> dict:
     """A series of pairs with its median and whether it has the pairs a target needs."""
     ok = [p for p in series['pairs'] if p.get('ratio') is not None]
@@ -73,7 +88,7 @@ def merge(call: dict, into: dict) -> dict:
     section.setdefault('datasets', {}).update(call.get('datasets', {}))
     section.setdefault('pairs', {}).update(call['pairs'])
     section.setdefault('entry_points', {}).update(call.get('entry_points', {}))
-    section['targets'] = targets_from(section['pairs'], TARGET_GPUS)
+    section['targets'] = {**targets_from(section['pairs'], TARGET_GPUS), **one_gpu_targets(section['pairs'])}
     return into
 
 

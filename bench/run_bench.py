@@ -17,6 +17,12 @@ CALL (bench/PLAN.md has the device calls; bench/results.py the targets):
                                                                                    -> parity_map50_95_points
   cache-speed  the kit on N GPUs with --cache ram | without                       -> ram_cache_speedup_Ngpu (no target)
   lever        the kit on N GPUs | with --levers LEVER (e.g. channels_last=1)      -> lever LEVER (no target)
+  per-gpu-det  upstream train_dual.py | the kit | the kit with --deterministic, N GPUs, 2048 images
+                                                                                   -> per_gpu_vs_upstream_Ngpu,
+                                                                                      deterministic_vs_upstream_Ngpu
+  loop-lever   the kit | its GPU-only step | the GPU-only step with --levers LEVER [| the kit with it: --end-to-end],
+               2048 images                                                         -> in_loop_vs_gpu_only_Ngpu,
+                                                                                      lever LEVER (GPU-only step)
   entry-points every kit entry point (ddp_train.py, ..., segment/ddp_train_dual.py) trains on N GPUs: a whole
                short run each, an upstream model of its kind on its task's demo data  -> entry_points (no target)
 
@@ -115,6 +121,8 @@ class Bench:
     def save(self):
         self.call['wall_s'] = round(self.elapsed())
         self.record['targets'] = results.targets_from(self.record['pairs'], self.n)
+        if self.n == 1:
+            self.record['targets'].update(results.one_gpu_targets(self.record['pairs']))
         (self.out / 'results.json').write_text(json.dumps(self.record, indent=1) + '\n')
 
     def dataset(self, name: str) -> str:
@@ -278,6 +286,60 @@ class Bench:
             self.record['pairs'][key]['note'] = "dry run: train_dual.py refuses DDP without CUDA, so upstream's " \
                                                 'runs were one process (same global batch)'
 
+    def per_gpu_det(self):
+        """Issue 23: the kit end to end, and with --deterministic, against upstream, alternated in one call; the
+        lever call's dataset (2048 images), so that three rounds of three runs fit one call on one GPU."""
+        data, n, images = self.dataset('lever'), self.n, self.size['lever'].train
+        chosen = ['--levers', self.args.kit_levers] if self.args.kit_levers else []
+
+        def run(tree, tag, extra=()):
+            # upstream refuses DDP without CUDA: a dry run on several processes runs it on one, same global batch
+            gpus = 1 if tree == self.upstream and not self.cuda else n
+
+            def one(i):
+                name = f'{tag}-{n}gpu-d{i}'
+                return self.train(name, self.train_cmd(tree, gpus, data, name, extra=['--noval', *extra],
+                                                       batch=self.size['batch_per_gpu'] * n), tree, images)
+            return one
+        self.rounds({'upstream': run(self.upstream, 'upstream'), 'kit': run(self.kit, 'kit', chosen),
+                     'kit --deterministic': run(self.kit, 'kit-det', ['--deterministic', *chosen])}, {
+            f'per_gpu_vs_upstream_{n}gpu': ('upstream', 'kit', lambda a, b: ratio(b, a, 'img_per_s'),
+                                            results.TARGETS['per_gpu_vs_upstream_{n}gpu']),
+            f'deterministic_vs_upstream_{n}gpu': ('upstream', 'kit --deterministic',
+                                                  lambda a, b: ratio(b, a, 'img_per_s'),
+                                                  results.ONE_GPU_TARGETS['deterministic_vs_upstream_1gpu'])})
+
+    def loop_lever(self):
+        """Issue 23: the kit's in-loop rate against its GPU-only step, and one lever in the GPU-only step (and with
+        --end-to-end in training too), alternated in one call (2048 images)."""
+        data, n, images, lever = self.dataset('lever'), self.n, self.size['lever'].train, self.args.lever
+        warmup, steps = self.size['steps']
+
+        def kit(extra, tag):
+            return lambda i: self.train(f'{tag}-{n}gpu-{i}', self.train_cmd(
+                self.kit, n, data, f'{tag}-{n}gpu-{i}', extra=['--noval', *extra]), self.kit, images)
+
+        def gpu_only(extra, tag):
+            def run(i):
+                name = f'step-{tag}-{n}gpu-{i}'
+                args = [KIT / 'bench' / 'gpu_step.py', '--settings', 'kit', '--warmup', warmup, '--steps', steps,
+                        *self.train_cmd(self.kit, n, data, name)[len(launcher(n)) + 1:], *extra]
+                return self.job(name, args, n, self.kit)
+            return run
+        tag, asked = lever.replace('=', '-'), ['--levers', lever]
+        runs = {'kit': kit([], 'kit-l'), 'gpu-only': gpu_only([], 'defaults'),
+                f'gpu-only {lever}': gpu_only(asked, tag)}
+        pairs = {
+            f'in_loop_vs_gpu_only_{n}gpu': ('kit', 'gpu-only', lambda a, b: round(
+                a['in_loop_img_per_s'] / b['img_per_s'], 4), results.ONE_GPU_TARGETS['in_loop_vs_gpu_only_1gpu']),
+            f'lever {lever} (GPU-only step)': ('gpu-only', f'gpu-only {lever}', lambda a, b: ratio(b, a, 'img_per_s'),
+                                               f'GPU-only step img/s with --levers {lever} / with the defaults')}
+        if self.args.end_to_end:  # a fourth run a round: three rounds take more than one call on one GPU
+            runs[f'kit {lever}'] = kit(asked, f'kit-{tag}')
+            pairs[f'lever {lever}'] = ('kit', f'kit {lever}', lambda a, b: ratio(b, a, 'img_per_s'),
+                                       f'kit img/s with --levers {lever} / with the defaults, N GPUs (second epoch)')
+        self.rounds(runs, pairs)
+
     def scaling(self):
         data, n, images = self.dataset('short'), self.n, self.size['short'].train
 
@@ -426,7 +488,7 @@ class Bench:
 
 CALLS = {'per-gpu': Bench.per_gpu, 'scaling': Bench.scaling, 'step': Bench.step, 'val-cache': Bench.val_cache,
          'parity': Bench.parity, 'cache-speed': Bench.cache_speed, 'lever': Bench.lever,
-         'entry-points': Bench.entry_points}
+         'entry-points': Bench.entry_points, 'per-gpu-det': Bench.per_gpu_det, 'loop-lever': Bench.loop_lever}
 
 
 def ratio(numerator: dict, denominator: dict, figure: str) -> float:
@@ -520,7 +582,9 @@ def main():
     p.add_argument('--dry-run', action='store_true', help='CPUs and gloo, tiny sizes: proves the harness')
     p.add_argument('--quick', action='store_true',
                    help='entry-points: 64 + 32 images at 160 px, one epoch each: that each trains, not how fast')
-    p.add_argument('--lever', default='channels_last=1', help="the 'lever' call's --levers")
+    p.add_argument('--lever', default='channels_last=1', help="the 'lever' and 'loop-lever' calls' --levers")
+    p.add_argument('--end-to-end', action='store_true', help="loop-lever: the kit with the lever too")
+    p.add_argument('--kit-levers', default='', help="per-gpu-det: --levers for the kit's runs (both)")
     p.add_argument('--dataset', choices=('photo', 'demo'), default='photo',
                    help="photo: bench/photo_data.py's photographs (needs scikit-image); demo: the kit's flat shapes")
     p.add_argument('--work', default='/tmp/yolov9-ddp-bench', help='trees, datasets, runs, logs')

@@ -45,6 +45,13 @@ def test_a_dry_run_never_lands_among_the_gpu_figures():
     assert merged['dry_run']['targets']['scaling_2gpu'] == 0.5 and 'measure nothing' in merged['dry_run']['note']
 
 
+def test_issue_23s_one_gpu_targets_land_beside_issue_15s():
+    merged = results.merge(call('gpu', deterministic_vs_upstream_1gpu=series(0.9, 1.0, 1.1)), {})
+    assert list(merged['targets']) == REQUIRED + list(results.ONE_GPU_TARGETS)
+    assert merged['targets']['deterministic_vs_upstream_1gpu'] == 1.0
+    assert merged['targets']['checkpoint_minutes_1_vs_none_1gpu'] is None
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_dry_run_call_runs_end_to_end_and_records_every_target_key(pinned_upstream, tmp_path, offline_env):

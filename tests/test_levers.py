@@ -1,6 +1,7 @@
 """The performance levers: the ones that change how the math is done must not change the math, and a run's levers
 are an option recorded with it (opt.yaml, checkpoints) that a resume keeps."""
 import shutil
+import sys
 from argparse import Namespace
 from dataclasses import asdict, replace
 
@@ -9,10 +10,12 @@ import torch
 import yaml
 
 from testsupport import faults
-from testsupport.jobs import launch_cmd
-from yolov9_ddp import checkpoint
-from yolov9_ddp.levers import (Levers, describe, fused_optimizer, levers_for, parse_levers, record_levers,
-                               requested_levers, resumed_levers)
+from testsupport.jobs import launch_cmd, run, train_args
+from testsupport.trees import describe as describe_result
+from yolov9_ddp import checkpoint, cli
+from yolov9_ddp.levers import (DETERMINISTIC, Levers, describe, fused_optimizer, levers_for, parse_levers,
+                               record_levers, requested_levers, resumed_levers)
+from yolov9_ddp.tasks import TASKS
 
 
 def sgd_groups(params):
@@ -88,8 +91,22 @@ def test_lever_flags_are_parsed_and_checked():
         parse_levers('progress_every=0')
 
 
-def options(levers=None, channels_last=False, compile=False) -> Namespace:
-    return Namespace(levers=levers, channels_last=channels_last, compile=compile)
+def options(levers=None, channels_last=False, compile=False, deterministic=False) -> Namespace:
+    return Namespace(levers=levers, channels_last=channels_last, compile=compile, deterministic=deterministic)
+
+
+def test_deterministic_turns_off_the_levers_that_change_the_math_and_refuses_one_turned_on(tmp_path):
+    assert levers_for(options(deterministic=True)) == replace(Levers(), **DETERMINISTIC)
+    agreeing = levers_for(options('cudnn_benchmark=0,progress_every=5', deterministic=True))
+    assert agreeing == replace(Levers(), **DETERMINISTIC, progress_every=5)
+    opt = cli.parse_args(['--deterministic', '--levers', 'pin_memory=0,fused_optimizer=1'], tmp_path,
+                         TASKS['detect-dual'])
+    with pytest.raises(cli.UsageError) as refused:
+        cli.check_options(opt, 1, TASKS['detect-dual'])
+    assert str(refused.value) == ("--deterministic trains with upstream's numerics, fused_optimizer=0; "
+                                  '--levers fused_optimizer=1 contradicts it: give one of the two')
+    with pytest.raises(ValueError, match='--channels-last contradicts it'):
+        levers_for(options(channels_last=True, deterministic=True))
 
 
 def test_channels_last_is_short_for_the_lever_which_wins():
@@ -138,6 +155,28 @@ def test_a_recorded_lever_this_kit_no_longer_has_is_ignored_with_a_warning():
     resumed = resumed_levers({'levers': 'warp_drive=1,pin_memory=0'}, {}, said.append)
     assert parse_levers(resumed) == asdict(replace(Levers(), pin_memory=False))
     assert said == ["the run recorded the lever 'warp_drive', which this kit does not have: ignored"]
+
+
+def final_weights(tree, data, project, *extra) -> dict:
+    """The model and EMA tensors after one epoch of a 1-process run on the CPU (weights/epoch0.pt, unstripped)."""
+    result = run([sys.executable, 'ddp_train_dual.py', *map(str, train_args(
+        data, project, 1, 4, 64, '--workers', 1, '--save-period', 1, '--deterministic', *extra))], tree)
+    assert result.returncode == 0, describe_result(result)
+    assert '--deterministic: levers cudnn_benchmark=0, fused_optimizer=0' in result.stdout + result.stderr
+    saved = checkpoint.load_checkpoint(project / 'exp' / 'weights' / 'epoch0.pt')
+    assert yaml.safe_load((project / 'exp' / 'opt.yaml').read_text())['deterministic'] is True
+    return {f'{part}.{name}': tensor for part in ('model', 'ema')
+            for name, tensor in saved[part].float().state_dict().items()}
+
+
+@pytest.mark.usefixtures('upstream_importable')
+@pytest.mark.slow
+def test_two_deterministic_runs_end_with_bit_identical_weights(patched_tree, demo_data, tmp_path):
+    first = final_weights(patched_tree, demo_data, tmp_path / 'first')
+    again = final_weights(patched_tree, demo_data, tmp_path / 'again')
+    assert first.keys() == again.keys()
+    for name, tensor in first.items():
+        assert torch.equal(tensor, again[name]), f'{name} differs between two --deterministic runs'
 
 
 # -- recorded with a real run, kept by its resume ---------------------------------------------------------------

@@ -18,6 +18,7 @@ from yolov9_ddp.environment import exit_if_unsupported  # noqa: E402
 exit_if_unsupported(Path(sys.argv[0]).name)  # a too-old torch or no OpenCV: one line, not upstream's traceback
 
 from yolov9_ddp import checkpoint, cli, comm, data, failures, shutdown, trainer  # noqa: E402
+from yolov9_ddp.levers import CUBLAS_WORKSPACE  # noqa: E402
 from yolov9_ddp.tasks import TASKS  # noqa: E402
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
@@ -55,6 +56,8 @@ def main(task_name: str, argv=None, root=None) -> int:
     try:
         cli.check_launch(opt)
         plan = trainer.plan_start(opt, cli.given_flags(argv, root, task))  # a resume: opt is the run's from here
+        if opt.deterministic:  # read when cuBLAS starts: before any CUDA work (a resumed run's flag too)
+            os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', CUBLAS_WORKSPACE)
         cli.check_options(opt, comm.launched_world_size(), task)
         device = comm.select_device(opt.device)
         comm.print_banner(device, opt.device)

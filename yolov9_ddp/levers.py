@@ -8,9 +8,15 @@ A run's levers are one of its options: `--levers name=value,...` sets any of the
 `levers`, so a resume trains with the levers the run started with; a resume that gives --levers (or
 --channels-last) again changes the levers it names, and logs the change.
 
+--deterministic trains with upstream's numerics (the levers of DETERMINISTIC off, whatever their defaults) and
+deterministic algorithms only: the same seed and world size then give bit-identical weights. A --levers that turns
+one of those levers on contradicts it and is refused.
+
 A lever that does not pay is removed, not kept: torch.compile (--compile) is refused with the measurement that
-removed it (REMOVED).
+removed it (REMOVED). Activations out of place (undoing upstream's inplace=True) were measured on one H200 and
+removed: 0.98x in the GPU-only step, 1.03x end to end, both inside the spread of their pairs (bench/RESULTS.md).
 """
+import os
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -28,6 +34,11 @@ class Levers:
     progress_every: int = 10  # steps between progress-bar updates (formatting the losses syncs with the GPU)
     cudnn_benchmark: bool = True  # autotuned convolutions instead of upstream's deterministic algorithms
     channels_last: bool = False  # NHWC tensors for the convolutions (--channels-last)
+
+
+# the levers that change the arithmetic or let it vary from run to run: --deterministic turns them off
+DETERMINISTIC = {'cudnn_benchmark': False, 'fused_optimizer': False, 'foreach_ema': False, 'channels_last': False}
+CUBLAS_WORKSPACE = ':4096:8'  # what cuBLAS needs for deterministic results (upstream's init_seeds sets it too)
 
 
 REMOVED = {'compile': 'torch.compile does not pay for YOLOv9 training: yolov9-s had not finished compiling its first '
@@ -62,12 +73,20 @@ def parse_levers(text: str, known_only=True, warn=print) -> dict:
 
 def requested_levers(options, known_only=True, warn=print) -> dict:
     """The levers a set of options asks for (the command line's, or a run's recorded ones): --channels-last, then
-    --levers, which wins."""
+    --levers, which wins; with --deterministic, those of DETERMINISTIC off (a request to turn one on is refused)."""
     options = options if isinstance(options, dict) else vars(options)
     if options.get('compile') and known_only:
         raise ValueError(f'--compile: {REMOVED["compile"]}')
     flags = {'channels_last': True} if options.get('channels_last') else {}
-    return {**flags, **parse_levers(options.get('levers') or '', known_only, warn)}
+    asked = parse_levers(options.get('levers') or '', known_only, warn)
+    if not options.get('deterministic'):
+        return {**flags, **asked}
+    for name, value in {**flags, **asked}.items():
+        if name in DETERMINISTIC and value != DETERMINISTIC[name]:
+            given = '--channels-last' if name not in asked else f'--levers {name}={int(value)}'
+            raise ValueError(f'--deterministic trains with upstream\'s numerics, {name}=0; {given} contradicts it: '
+                             f'give one of the two')
+    return {**flags, **asked, **DETERMINISTIC}
 
 
 def levers_for(opt) -> Levers:
@@ -95,6 +114,15 @@ def resumed_levers(recorded_options: dict, given: dict, log=print) -> str:
     if changes:
         log(f'levers changed on resume: {", ".join(changes)}')
     return describe(resumed)
+
+
+def use_deterministic_algorithms(seed: int):
+    """Upstream's init_seeds(deterministic=True), keeping a CUBLAS_WORKSPACE_CONFIG the user set (entry.py sets it
+    for --deterministic before CUDA starts)."""
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', CUBLAS_WORKSPACE)
+    os.environ['PYTHONHASHSEED'] = str(seed)
 
 
 def fused_optimizer(optimizer):

@@ -34,7 +34,8 @@ from utils.torch_utils import EarlyStopping, ModelEMA, smart_optimizer
 from yolov9_ddp import checkpoint, cli, comm, data, failures, runs, shutdown, slurm
 from yolov9_ddp.demo_data import ensure_demo_dataset
 from yolov9_ddp.ema import EmaUpdater, synchronize_ema
-from yolov9_ddp.levers import fused_optimizer, record_levers, requested_levers, resumed_levers
+from yolov9_ddp.levers import (DETERMINISTIC, fused_optimizer, record_levers, requested_levers, resumed_levers,
+                               use_deterministic_algorithms)
 
 NOMINAL_BATCH = 64  # upstream's nbs: gradients are accumulated up to this many images per optimizer step
 
@@ -74,10 +75,16 @@ def resolve_model_files(opt):
 
 def restore_resumed_options(opt, plan, given: dict):
     """On resume, take the run's saved options (as upstream), this start's own where its command line gives them
-    (yolov9_ddp.runs); one line names the given flags that the run's own values overrule."""
-    given_levers = requested_levers(opt)
+    (yolov9_ddp.runs); one line names the given flags that the run's own values overrule. --deterministic, once
+    set, is kept, and a resume may set it."""
     overruled = runs.overruled_flags(vars(opt), plan.options, given)
-    vars(opt).update(runs.resumed_options(vars(opt), plan.options, given))
+    resumed = runs.resumed_options(vars(opt), plan.options, given)
+    resumed['deterministic'] = opt.deterministic or bool(plan.options.get('deterministic'))
+    try:
+        given_levers = requested_levers({**vars(opt), 'deterministic': resumed['deterministic']})
+    except ValueError as e:
+        raise cli.UsageError(f'{e} (the run in {plan.save_dir} is deterministic)') from e
+    vars(opt).update(resumed)
     opt.levers = resumed_levers(plan.options, given_levers, LOGGER.info)
     opt.resume, opt.weights = True, str(plan.resume_from)
     if opt.cfg and not Path(opt.cfg).is_file():  # a relative path from another folder: the checkpoint's own yaml
@@ -209,8 +216,14 @@ class Trainer:
             for action in methods(loggers):
                 self.callbacks.register_action(action, callback=getattr(loggers, action))
         self.callbacks.run('on_pretrain_routine_start')
-        init_seeds(opt.seed + 1 + self.rank, deterministic=not self.levers.cudnn_benchmark)
+        init_seeds(opt.seed + 1 + self.rank)
+        if opt.deterministic or not self.levers.cudnn_benchmark:  # upstream's choice of algorithms
+            use_deterministic_algorithms(opt.seed + 1 + self.rank)
         torch.backends.cudnn.benchmark = self.levers.cudnn_benchmark
+        if opt.deterministic:
+            LOGGER.info(f'--deterministic: levers {", ".join(f"{k}={int(v)}" for k, v in DETERMINISTIC.items())}, '
+                        f'torch.use_deterministic_algorithms(True), '
+                        f'CUBLAS_WORKSPACE_CONFIG={os.environ["CUBLAS_WORKSPACE_CONFIG"]}')
         self.data_dict = comm.run_staged(self.check_data)  # may download: rank 0 first
         self.nc = 1 if opt.single_cls else int(self.data_dict['nc'])
         names = self.data_dict['names']
