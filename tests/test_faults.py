@@ -254,7 +254,7 @@ def test_two_nodes_on_one_machine_share_one_label_cache(patched_tree, tmp_path):
     two_nodes(patched_tree, tmp_path, 'probe1', PROBE, 'sampler', tmp_path / 'probe1.json', *probe_args, **config)
     first = json.loads((tmp_path / 'probe1.json').read_text())
     assert first['world'] == 2 and len(first['ranks']) == 2
-    builds = sorted(tuple(b) for rank in first['ranks'] for b in rank['cache_builds'])
+    builds = sorted(tuple(b) for rank in first['ranks'] for b in rank['sampler']['cache_builds'])
     assert builds == [(0, str(caches[0])), (0, str(caches[1]))], builds  # each cache built once, by global rank 0
     written = [(p.stat().st_ino, p.stat().st_mtime_ns) for p in caches]
 
@@ -265,6 +265,6 @@ def test_two_nodes_on_one_machine_share_one_label_cache(patched_tree, tmp_path):
 
     two_nodes(patched_tree, tmp_path, 'probe2', PROBE, 'sampler', tmp_path / 'probe2.json', *probe_args, **config)
     second = json.loads((tmp_path / 'probe2.json').read_text())
-    assert [rank['cache_builds'] for rank in second['ranks']] == [[], []]  # the second run reuses the cache
+    assert [rank['sampler']['cache_builds'] for rank in second['ranks']] == [[], []]  # the second run reuses the cache
     assert [(p.stat().st_ino, p.stat().st_mtime_ns) for p in caches] == written
 
