@@ -14,7 +14,7 @@ gpus=$(.venv/bin/python -c 'import torch; print(torch.cuda.device_count())')
 device=cpu
 if [ "$gpus" -ge "$nproc" ]; then device=''; fi
 cd upstream
-train=(ddp_train_dual.py --epochs 15 --imgsz 128 --batch-size 16 --workers 2 --hyp yolov9_ddp/hyps/demo.yaml
+train=(ddp_train_dual.py --epochs 25 --imgsz 128 --batch-size 16 --workers 2 --hyp yolov9_ddp/hyps/demo.yaml
        --optimizer AdamW --save-on-signal)
 ../.venv/bin/torchrun --standalone --nproc_per_node "$nproc" "${train[@]}" --device "$device" \
     --project runs/demo --name exp

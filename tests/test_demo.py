@@ -1,4 +1,4 @@
-"""run-demo.sh's training learns: its own flags (read from the script), shortened from 15 epochs to DEMO_EPOCHS, on
+"""run-demo.sh's training learns: its own flags (read from the script), shortened from 25 epochs to DEMO_EPOCHS, on
 2 CPU processes with gloo, must reach an mAP50 that every x86-64 CPU reaches by then (the demo's full run ends
 above 0.5: docs/demo.md). It draws the prediction picture the script's closing message names."""
 import csv
@@ -11,8 +11,8 @@ from testsupport.jobs import run, torchrun_cmd
 from testsupport.trees import KIT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-DEMO_EPOCHS = 8
-FLOOR_MAP50 = 0.05  # after 8 of the 15 epochs; the demo's own run on an H200 host's CPUs had 0.25 there
+DEMO_EPOCHS = 10
+FLOOR_MAP50 = 0.1  # 10 epochs of the same schedule: 0.20 after 8 on this kit's CI kind of CPU, the full demo > 0.8
 
 
 def demo_training() -> list:
