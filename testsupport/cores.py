@@ -1,6 +1,6 @@
 """Two pytest-xdist workers on 2 cores, without oversubscribing them: a test that runs multi-process jobs (marked
-`cores`, or `slow` without `one_core`) has the machine to itself, while the other tests run two at a time. Their timings, and the
-deadlines the fault tests derive from them, stay those of a machine that runs one job.
+`cores`, or `slow` without `one_core`) has the machine to itself, while the other tests run two at a time. Their
+timings, and the deadlines the fault tests derive from them, stay those of a machine that runs one job.
 
 A reader-writer lock on two files shared by the workers of one run, writer-preferring: a machine-wide test waits
 for the tests already running while holding the gate, so no new test starts beside it in the meantime."""
