@@ -4,8 +4,9 @@ For train.py, train_dual.py, train_triple.py, segment/train.py, segment/train_du
 classify/train.py: one epoch on CPU on tiny generated data, fine-tuning an untrained checkpoint (--weights: the
 path from scratch and the loading of weights in one run), a --resume of it as if interrupted after that epoch
 (detection, segmentation, panoptic), then the script's val and predict counterparts on the best.pt it saved. Then
-export.py (TorchScript, run again by detect.py) and hubconf.py (a local .pt through custom()), on train.py's run. Each run must end with exit status 0, without a traceback, a deprecated
-torch.cuda.amp call, a download or a pip install (the network is blocked; patches 0001-0013 make this possible).
+export.py (TorchScript, run again by detect.py) and hubconf.py (a local .pt through custom()), on train.py's run.
+Each run must end with exit status 0, without a traceback, a deprecated torch.cuda.amp call, a download or a pip
+install (the network is blocked; patches 0001-0013 make this possible).
 
 The models are the kit's tiny configs (yolov9_ddp/models), one per head; the data come from
 yolov9_ddp.demo_data with the labels each task reads.
