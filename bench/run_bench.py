@@ -267,21 +267,25 @@ class Bench:
 
     # -- the calls --------------------------------------------------------------------------------------------------
 
+    def end_to_end(self, tree, tag: str, dataset: str, extra=()):
+        """run(i): the i-th end-to-end training of tree on the dataset, N GPUs, --noval, global batch
+        batch_per_gpu x N. Upstream's train_dual.py refuses DDP without CUDA ('insufficient CUDA devices'): a dry
+        run on several processes runs it on one process, with the same global batch."""
+        data, n, images = self.dataset(dataset), self.n, self.size[dataset].train
+        gpus = 1 if tree == self.upstream and not self.cuda else n
+
+        def run(i):
+            name = f'{tag}-{n}gpu-{i}'
+            return self.train(name, self.train_cmd(tree, gpus, data, name, extra=['--noval', *extra],
+                                                   batch=self.size['batch_per_gpu'] * n), tree, images)
+        return run
+
     def per_gpu(self):
-        data, n, images = self.dataset('main'), self.n, self.size['main'].train
-        # upstream's train_dual.py refuses DDP without CUDA ('insufficient CUDA devices'): a dry run runs it on one
-        # process, with the same global batch
-        upstream_gpus = n if self.cuda else 1
-        batch = self.size['batch_per_gpu'] * n
-        runs = {
-            'upstream': lambda i: self.train(f'upstream-{n}gpu-{i}', self.train_cmd(
-                self.upstream, upstream_gpus, data, f'upstream-{n}gpu-{i}', extra=['--noval'], batch=batch),
-                self.upstream, images),
-            'kit': lambda i: self.train(f'kit-{n}gpu-{i}', self.train_cmd(
-                self.kit, n, data, f'kit-{n}gpu-{i}', extra=['--noval']), self.kit, images)}
-        key = f'per_gpu_vs_upstream_{n}gpu'
-        self.rounds(runs, {key: ('upstream', 'kit', lambda a, b: ratio(b, a, 'img_per_s'),
-                                 results.TARGETS['per_gpu_vs_upstream_{n}gpu'])})
+        key = f'per_gpu_vs_upstream_{self.n}gpu'
+        self.rounds({'upstream': self.end_to_end(self.upstream, 'upstream', 'main'),
+                     'kit': self.end_to_end(self.kit, 'kit', 'main')},
+                    {key: ('upstream', 'kit', lambda a, b: ratio(b, a, 'img_per_s'),
+                           results.TARGETS['per_gpu_vs_upstream_{n}gpu'])})
         if not self.cuda:
             self.record['pairs'][key]['note'] = "dry run: train_dual.py refuses DDP without CUDA, so upstream's " \
                                                 'runs were one process (same global batch)'
@@ -289,20 +293,11 @@ class Bench:
     def per_gpu_det(self):
         """Issue 23: the kit end to end, and with --deterministic, against upstream, alternated in one call; the
         lever call's dataset (2048 images), so that three rounds of three runs fit one call on one GPU."""
-        data, n, images = self.dataset('lever'), self.n, self.size['lever'].train
-        chosen = ['--levers', self.args.kit_levers] if self.args.kit_levers else []
-
-        def run(tree, tag, extra=()):
-            # upstream refuses DDP without CUDA: a dry run on several processes runs it on one, same global batch
-            gpus = 1 if tree == self.upstream and not self.cuda else n
-
-            def one(i):
-                name = f'{tag}-{n}gpu-d{i}'
-                return self.train(name, self.train_cmd(tree, gpus, data, name, extra=['--noval', *extra],
-                                                       batch=self.size['batch_per_gpu'] * n), tree, images)
-            return one
-        self.rounds({'upstream': run(self.upstream, 'upstream'), 'kit': run(self.kit, 'kit', chosen),
-                     'kit --deterministic': run(self.kit, 'kit-det', ['--deterministic', *chosen])}, {
+        n, chosen = self.n, ['--levers', self.args.kit_levers] if self.args.kit_levers else []
+        deterministic = ['--deterministic', *chosen]
+        self.rounds({'upstream': self.end_to_end(self.upstream, 'upstream-d', 'lever'),
+                     'kit': self.end_to_end(self.kit, 'kit-d', 'lever', chosen),
+                     'kit --deterministic': self.end_to_end(self.kit, 'kit-det', 'lever', deterministic)}, {
             f'per_gpu_vs_upstream_{n}gpu': ('upstream', 'kit', lambda a, b: ratio(b, a, 'img_per_s'),
                                             results.TARGETS['per_gpu_vs_upstream_{n}gpu']),
             f'deterministic_vs_upstream_{n}gpu': ('upstream', 'kit --deterministic',
