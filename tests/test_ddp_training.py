@@ -1,5 +1,5 @@
-"""The samplers of ddp_train_dual.py: every training image once per epoch across ranks, an order that changes
-every epoch and repeats with the seed, the label cache built by rank 0 alone, validation shards that are
+"""The samplers of ddp_train_dual.py in a real job: every training image once per epoch across ranks (the stream's
+unit tests are tests/test_stream.py), an order that changes every epoch and repeats with the seed, the label cache built by rank 0 alone, validation shards that are
 contiguous and unpadded. The DDP step, EMA synchronisation and distributed validation of every entry point, this
 one included, are in tests/test_tasks.py."""
 from collections import Counter
@@ -7,7 +7,8 @@ from collections import Counter
 import pytest
 
 from testsupport.jobs import run_probe, train_args
-from yolov9_ddp.samplers import ShardBatchSampler, padding_per_epoch, training_sampler
+from yolov9_ddp.samplers import ShardBatchSampler
+from yolov9_ddp.stream import repeats_per_epoch
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -19,20 +20,6 @@ def dataset(task_datasets):
 
 
 # -- sampler ---------------------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize('num_items,world', [(45, 2), (45, 4), (7, 3), (8, 8), (3, 5)])
-def test_training_sampler_draws_every_index_once_per_epoch(num_items, world):
-    for epoch in range(3):
-        drawn = []
-        for rank in range(world):
-            sampler = training_sampler(range(num_items), rank, world, seed=0)
-            sampler.set_epoch(epoch)
-            drawn.append(list(sampler))
-        counts = Counter(i for shard in drawn for i in shard)
-        assert set(counts) == set(range(num_items))
-        assert sum(counts.values()) - num_items == padding_per_epoch(num_items, world) <= world - 1
-        assert len({len(shard) for shard in drawn}) == 1  # same number of batches on every rank
-
 
 @pytest.mark.parametrize('num_items,batch,world', [(50, 8, 3), (50, 8, 2), (16, 8, 3), (5, 2, 1), (64, 8, 8)])
 def test_shard_batch_sampler_is_contiguous_unpadded_and_batch_aligned(num_items, batch, world):
@@ -67,7 +54,7 @@ def test_each_training_image_is_drawn_once_per_epoch_across_ranks(sampler_runs):
         drawn = [p for rank in first for p in rank['epochs'][epoch]]
         counts = Counter(drawn)
         assert set(counts) == set(files)
-        assert len(drawn) - len(files) == padding_per_epoch(len(files), 2) == 1  # 45 images on 2 ranks
+        assert len(drawn) - len(files) == repeats_per_epoch(len(files), 4, 2) == 1  # 45 = 11 x 4 + 1 on 2 ranks
 
 
 @pytest.mark.cores

@@ -24,7 +24,7 @@ from testsupport.faults import completed_run_problems, kill_scenario, signal_sce
 from testsupport.jobs import (TASK_DATASETS, labels_of, run, run_probe, save_model_state, task_cfg, torchrun_cmd,
                               train_args)
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
-from yolov9_ddp.samplers import padding_per_epoch
+from yolov9_ddp.stream import repeats_per_epoch
 from yolov9_ddp.tasks import TASKS
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures('upstream_importable')]
@@ -188,7 +188,7 @@ def test_segmentation_draws_every_training_image_once_per_epoch(patched_tree, ta
     files = ranks[0]['files']
     for epoch in range(2):
         drawn = [p for rank in ranks for p in rank['epochs'][epoch]]
-        assert set(drawn) == set(files) and len(drawn) - len(files) == padding_per_epoch(len(files), 2)
+        assert set(drawn) == set(files) and len(drawn) - len(files) == repeats_per_epoch(len(files), 4, 2)
 
 
 @pytest.mark.slow

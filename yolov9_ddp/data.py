@@ -14,7 +14,8 @@ from torch.utils.data import DataLoader
 from utils.dataloaders import seed_worker
 from utils.general import LOGGER, NUM_THREADS
 from yolov9_ddp import comm, failures, ramcache, shutdown
-from yolov9_ddp.samplers import ShardBatchSampler, training_sampler
+from yolov9_ddp.samplers import ShardBatchSampler
+from yolov9_ddp.stream import FixedBatches, SeededSamples, StreamSampler
 
 WORKER_SEED_BASE = 6148914691236517205  # upstream's generator seed base; + rank, so ranks augment differently
 
@@ -65,10 +66,9 @@ def with_shared_ram_cache(dataset, cache, prefix):
     return dataset
 
 
-def set_epoch(loader, epoch):
-    """Reshuffle the training sampler for this epoch (a no-op for rank shards)."""
-    sampler = loader.batch_sampler if isinstance(loader.batch_sampler, ShardBatchSampler) else loader.sampler
-    sampler.set_epoch(epoch)
+def set_epoch(loader, epoch, start_step=0):
+    """The training batches of epoch, from start_step on (yolov9_ddp.stream)."""
+    loader.batch_sampler.set_epoch(epoch, start_step)
 
 
 def init_worker(worker_id, trainer_pid):
@@ -99,13 +99,14 @@ def train_loader(task, path, imgsz, batch_per_rank, stride, opt, hyp, levers, cu
     dataset = build_dataset(task, path, imgsz, batch_per_rank, stride, opt, hyp, augment=True, rect=opt.rect,
                             cache=None if opt.cache == 'val' else opt.cache, pad=0.0, prefix=prefix)
     rank, world = comm.get_rank(), comm.get_world_size()
-    collate = task.collate(opt.quad)
-    workers = loader_workers(opt.workers, batch_per_rank)
     if opt.rect:  # rectangular batches keep their shapes only if no rank mixes images of two batches
-        shards = ShardBatchSampler(len(dataset), batch_per_rank, rank, world)
-        return make_loader(dataset, None, workers, levers, cuda, collate, batch_sampler=shards), dataset
-    sampler = training_sampler(dataset, rank, world, opt.seed)
-    return make_loader(dataset, batch_per_rank, workers, levers, cuda, collate, sampler=sampler), dataset
+        batches = FixedBatches(ShardBatchSampler(len(dataset), batch_per_rank, rank, world))
+    else:
+        batches = StreamSampler(len(dataset), batch_per_rank * world, rank, world, opt.seed)
+    mosaic_until = opt.epochs - opt.close_mosaic if opt.close_mosaic else None
+    samples = SeededSamples(dataset, opt.seed, mosaic_until)
+    workers = loader_workers(opt.workers, batch_per_rank)
+    return make_loader(samples, None, workers, levers, cuda, task.collate(opt.quad), batch_sampler=batches), dataset
 
 
 def val_loader(task, path, imgsz, batch_per_rank, stride, opt, levers, cuda, prefix):

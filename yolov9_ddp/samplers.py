@@ -1,26 +1,11 @@
-"""Samplers: who sees which image.
-
-Training shuffles with torch's DistributedSampler (seeded by --seed, reshuffled by set_epoch).
-Each epoch every index is drawn once across the ranks; to give every rank the same number of
-batches it repeats at most world_size - 1 indices (its documented padding), never more.
-
-Validation (and --rect training, whose batches must keep their shape) uses ShardBatchSampler: the
-dataset's batches, in order, cut into one contiguous run of whole batches per rank. No padding,
-no image twice, and each rank's batches are exactly the batches a single process would build,
-so the per-image results equal a single-process run's.
+"""Validation (and --rect training, whose batches must keep their shape) uses ShardBatchSampler: the dataset's
+batches, in order, cut into one contiguous run of whole batches per rank. No padding, no image twice, and each
+rank's batches are exactly the batches a single process would build, so the per-image results equal a
+single-process run's. The shuffled training stream is yolov9_ddp.stream.
 """
 import math
 
-from torch.utils.data import DistributedSampler, Sampler
-
-
-def training_sampler(dataset, rank: int, world_size: int, seed: int) -> DistributedSampler:
-    return DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=False)
-
-
-def padding_per_epoch(num_items: int, world_size: int) -> int:
-    """How many indices DistributedSampler repeats per epoch: the bound documented above."""
-    return math.ceil(num_items / world_size) * world_size - num_items
+from torch.utils.data import Sampler
 
 
 class ShardBatchSampler(Sampler):

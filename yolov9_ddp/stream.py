@@ -1,0 +1,131 @@
+"""The training data stream: which images each process trains at each step, and the randomness of every sample, as
+a function of (seed, epoch, position) alone, not of the number of processes, of loader workers or of restarts
+(issue 21; DESIGN.md "The data stream is a pure function").
+
+  - The order of an epoch is one permutation of the training set, drawn from (seed, epoch).
+  - Global batch k is positions [k*B, (k+1)*B) of it, on any number of processes W that divides B: rank r trains
+    its r-th share. The last global batch of a set that B does not divide is shared as evenly as it goes; only
+    when it holds fewer images than there are processes, it is filled up with the first images of the order (an
+    image then trains twice in that epoch, at most W - 1 of them).
+  - Each sample is loaded with Python's and NumPy's generators seeded from a hash of (seed, epoch, index), set in
+    the loader worker just before upstream's __getitem__ runs: mosaic partners, affine, HSV, flips, mixup and
+    copy-paste draw the same values whichever worker, rank or restart loads it. A hash, not Megatron's
+    idx + seed + epoch, which gives (epoch 1, index 0) the randomness of (epoch 0, index 1).
+  - The multi-scale size of a step comes from (seed, step); --image-weights' draw of an epoch from (seed, epoch).
+  - A start at step S of an epoch yields that epoch's batches from S on, no batch before it is loaded.
+
+The sampler yields keys (epoch, index), so that loader workers, which keep their copy of the dataset across epochs
+(persistent workers), still know the epoch; upstream's dataset is wrapped, not changed. The epoch also decides
+mosaic: upstream's --close-mosaic sets dataset.mosaic = False in the training process, which persistent workers
+(and upstream's own InfiniteDataLoader) never see.
+"""
+import math
+import random
+
+import numpy as np
+from torch.utils.data import Dataset, Sampler
+
+# what a seed is for, so that the streams of the order, the samples and the sizes never share one
+ORDER, SAMPLE, SCALE, IMAGE_WEIGHTS = range(4)
+
+
+def seed_of(purpose: int, *keys: int) -> int:
+    """A 64-bit seed from (purpose, seed, epoch, ...): NumPy's SeedSequence hashes the whole tuple."""
+    entropy = [purpose, *(k % 2 ** 64 for k in keys)]  # SeedSequence takes non-negative ints; --seed may be < 0
+    low, high = np.random.SeedSequence(entropy).generate_state(2)
+    return int(high) << 32 | int(low)
+
+
+def epoch_order(num_images: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng(seed_of(ORDER, seed, epoch)).permutation(num_images)
+
+
+def steps_per_epoch(num_images: int, global_batch: int) -> int:
+    return math.ceil(num_images / global_batch)
+
+
+def rank_share(num_images: int, global_batch: int, step: int, rank: int, world: int) -> range:
+    """The positions of the epoch's order that rank trains at step: its share of global batch step."""
+    first = step * global_batch
+    size = min(global_batch, num_images - first)
+    size = max(size, world)  # fewer images than processes: the share wraps to the start of the order
+    return range(first + size * rank // world, first + size * (rank + 1) // world)
+
+
+def repeats_per_epoch(num_images: int, global_batch: int, world: int) -> int:
+    """How many images the last global batch repeats: none unless it holds fewer images than processes."""
+    last = num_images - (steps_per_epoch(num_images, global_batch) - 1) * global_batch
+    return max(world - last, 0)
+
+
+def scale_draw(seed: int, step: int) -> random.Random:
+    """The generator of a step's multi-scale size: the same on every rank, in every start."""
+    return random.Random(seed_of(SCALE, seed, step))
+
+
+def image_weights_draw(seed: int, epoch: int) -> random.Random:
+    return random.Random(seed_of(IMAGE_WEIGHTS, seed, epoch))
+
+
+class StreamSampler(Sampler):
+    """A batch sampler: rank's share of each global batch of the epoch set by set_epoch, as lists of keys
+    (epoch, image index), from the step set_epoch names on."""
+
+    def __init__(self, num_images: int, global_batch: int, rank: int, world: int, seed: int):
+        assert global_batch % world == 0, 'checked before: the world size divides the global batch'
+        self.num_images, self.global_batch, self.rank, self.world, self.seed = num_images, global_batch, rank, world, seed
+        self.steps = steps_per_epoch(num_images, global_batch)
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start_step: int = 0):
+        self.epoch, self.start = epoch, start_step
+
+    def __iter__(self):
+        order = epoch_order(self.num_images, self.seed, self.epoch)
+        for step in range(self.start, self.steps):
+            share = rank_share(self.num_images, self.global_batch, step, self.rank, self.world)
+            yield [(self.epoch, int(order[p % self.num_images])) for p in share]
+
+    def __len__(self):
+        return self.steps - self.start
+
+
+class SeededSamples(Dataset):
+    """Upstream's training dataset, each sample loaded with its own seeds (see the module doc).
+
+    mosaic_until: the first epoch without mosaic (--close-mosaic), or None."""
+
+    def __init__(self, dataset, seed: int, mosaic_until=None):
+        self.dataset, self.seed, self.mosaic_until = dataset, seed, mosaic_until
+        self.mosaic = dataset.mosaic
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        epoch, index = key
+        seed = seed_of(SAMPLE, self.seed, epoch, index)
+        random.seed(seed)
+        np.random.seed(seed % 2 ** 32)
+        self.dataset.mosaic = self.mosaic and (self.mosaic_until is None or epoch < self.mosaic_until)
+        return self.dataset[index]
+
+
+class FixedBatches(Sampler):
+    """--rect training: upstream's fixed batches (their shapes follow the images' aspect ratios), rank's run of them
+    (samplers.ShardBatchSampler), as keys, from the step set_epoch names on."""
+
+    def __init__(self, batches: Sampler):
+        self.batches, self.epoch, self.start = batches, 0, 0
+        self.steps = len(batches)
+
+    def set_epoch(self, epoch: int, start_step: int = 0):
+        self.epoch, self.start = epoch, start_step
+
+    def __iter__(self):
+        for step, batch in enumerate(self.batches):
+            if step >= self.start:
+                yield [(self.epoch, index) for index in batch]
+
+    def __len__(self):
+        return self.steps - self.start
