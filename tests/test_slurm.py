@@ -52,7 +52,7 @@ def test_a_job_script_started_outside_slurm_says_so_in_one_line(script, patched_
 def test_a_repeated_sigterm_is_one_stop_request_and_a_second_sigint_interrupts():
     """Slurm signals every process of a job step and torchrun passes its own SIGTERM on: each training process may
     get SIGTERM twice, which must not cut short the checkpoint the first asked for."""
-    request = StopRequest()
+    request = StopRequest(check_every=1)
     try:
         signal.raise_signal(signal.SIGTERM)
         signal.raise_signal(signal.SIGTERM)

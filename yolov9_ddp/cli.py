@@ -103,6 +103,8 @@ def add_kit_flags(p):
     kit.add_argument('--save-on-signal', action='store_true',
                      help='on SIGTERM/SIGINT, stop all ranks after the same step and write a resumable last.pt '
                           '(without it the run stops cleanly and resumes from its last complete epoch)')
+    kit.add_argument('--checkpoint-steps', type=int, default=0, metavar='N', help='TEMPORARY')
+    kit.add_argument('--checkpoint-minutes', type=float, default=0, metavar='M', help='TEMPORARY')
     kit.add_argument('--levers', metavar='NAME=VALUE,...', default=None,
                      help='performance levers of yolov9_ddp/levers.py, e.g. cudnn_benchmark=0,channels_last=1 '
                           '(recorded in opt.yaml: a resume keeps the run\'s levers unless given again)')

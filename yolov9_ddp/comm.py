@@ -108,11 +108,16 @@ def average_tensors_(tensors):
 
 def max_over_ranks(value: int) -> int:
     """The largest of every rank's value, on every rank."""
+    return maxima_over_ranks([value])[0]
+
+
+def maxima_over_ranks(values: list) -> list:
+    """For each position of values, the largest of every rank's, on every rank: one all_reduce."""
     if not is_distributed():
-        return value
-    tensor = torch.tensor([value], device=collective_device())
+        return list(values)
+    tensor = torch.tensor(values, device=collective_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
+    return tensor.tolist()
 
 
 def any_rank(flag: bool) -> bool:

@@ -10,7 +10,8 @@ ranks), and it creates the folder only once the options have passed their checks
                        run.json and the run continues from its last checkpoint instead of starting over
   otherwise            a new PROJECT/NAME{,2,3,...} folder, as upstream's increment_path
 
-run.json in the folder records the launcher's job id, the last epoch saved and whether training finished.
+run.json in the folder records the launcher's job id, the last epoch saved and the position (epoch, step) of
+the last checkpoint (yolov9_ddp.position), and whether training finished.
 
 A resumed run keeps its own options, from its opt.yaml (as upstream's --resume): its global batch, schedule, data,
 model and hyperparameters, whatever this start's command line says. Only how this start runs (START_OPTIONS) may

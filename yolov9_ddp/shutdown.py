@@ -1,9 +1,9 @@
 """Clean shutdown on SIGTERM / SIGINT (a scheduler's pre-emption, Ctrl-C, torchrun stopping its workers).
 
-The handler only records the signal. Every CHECK_EVERY steps all ranks learn, in one tiny all_reduce, whether
-any of them was signalled, so they all stop after the same step: none is left waiting in a collective for a
-rank that has gone. Then, where --save-on-signal asks for it, rank 0 writes a resumable checkpoint of that
-step boundary, and the process group is destroyed on the way out (comm.process_group). A second SIGINT
+The handler only records the signal. Every step on CPUs, every CHECK_EVERY_CUDA steps on GPUs, all ranks learn, in one tiny all_reduce, whether
+any of them was signalled, so they all stop after the same step, the first optimizer-step boundary from there: none
+is left waiting in a collective for a rank that has gone. Then, where --save-on-signal asks for it, rank 0 writes
+a resumable checkpoint of that position (yolov9_ddp.position), and the process group is destroyed on the way out (comm.process_group). A second SIGINT
 (Ctrl-C again) interrupts at once. A second SIGTERM is the same request arriving twice: Slurm signals every process
 of a job step, and torchrun passes the SIGTERM it gets on to its workers, so each worker sees it twice.
 """
@@ -12,7 +12,7 @@ import signal
 
 from yolov9_ddp import comm
 
-CHECK_EVERY = 10  # steps; the check is a small all_reduce and a GPU sync, so not every step
+CHECK_EVERY_CUDA = 10  # steps; on CUDA the check is a small all_reduce and a GPU sync, so not every step
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -31,8 +31,8 @@ class Interrupted(Exception):
 
 
 class StopRequest:
-    def __init__(self):
-        self.signum, self.pid = None, os.getpid()
+    def __init__(self, check_every: int):
+        self.signum, self.pid, self.check_every = None, os.getpid(), check_every
         self.previous = {s: signal.signal(s, self.record) for s in HANDLED}
 
     def record(self, signum, frame):
@@ -45,11 +45,13 @@ class StopRequest:
         elif signum != signal.SIGTERM:
             raise KeyboardInterrupt  # a second signal: stop now
 
-    def agreed(self, step: int) -> int:
-        """At every CHECK_EVERY-th step, the signal any rank received (0 if none); elsewhere 0."""
-        if step % CHECK_EVERY:
-            return 0
-        return comm.max_over_ranks(self.signum or 0)
+    def agreed(self, step: int, due: bool = False) -> tuple:
+        """At every check_every-th step, (the signal any rank received or 0, whether any rank finds a checkpoint
+        due); elsewhere (0, False). due: rank 0's clock says --checkpoint-minutes have passed."""
+        if step % self.check_every:
+            return 0, False
+        signum, due = comm.maxima_over_ranks([self.signum or 0, int(due)])
+        return signum, bool(due)
 
     def close(self):
         for s, handler in self.previous.items():

@@ -8,7 +8,6 @@ import inspect
 import logging
 import math
 import os
-import random
 import time
 from contextlib import nullcontext
 from copy import deepcopy
@@ -31,7 +30,7 @@ from utils.general import (LOGGER, TQDM_BAR_FORMAT, check_dataset, check_img_siz
                            labels_to_image_weights, methods, one_cycle, one_flat_cycle, strip_optimizer,
                            yaml_save)
 from utils.torch_utils import EarlyStopping, ModelEMA, smart_optimizer
-from yolov9_ddp import checkpoint, cli, comm, data, failures, runs, shutdown, slurm
+from yolov9_ddp import checkpoint, cli, comm, data, failures, position, runs, shutdown, slurm, stream
 from yolov9_ddp.demo_data import ensure_demo_dataset
 from yolov9_ddp.ema import EmaUpdater, synchronize_ema
 from yolov9_ddp.levers import (DETERMINISTIC, fused_optimizer, record_levers, requested_levers, resumed_levers,
@@ -198,10 +197,12 @@ class Trainer:
         self.weights_dir = self.save_dir / 'weights'
         self.last, self.best = self.weights_dir / 'last.pt', self.weights_dir / 'best.pt'
         self.callbacks = Callbacks()  # actions registered on rank 0 only: other ranks log nothing
-        self.stop = shutdown.StopRequest()
         self.levers = record_levers(opt)  # into opt: opt.yaml and the checkpoints keep them
         self.cuda = device.type == 'cuda'
-        self.best_fitness, self.start_epoch = 0.0, 0
+        self.stop = shutdown.StopRequest(shutdown.CHECK_EVERY_CUDA if self.cuda else 1)
+        self.best_fitness = 0.0
+        self.start = position.Position(epoch=0)  # where this start continues the run (a resume: its checkpoint's)
+        self.pending_signal, self.checkpoint_pending, self.last_checkpoint_time = 0, False, time.monotonic()
         self.results = task.empty_results()  # the metrics, then the validation losses
 
     # setup -----------------------------------------------------------------------------------------------------
@@ -317,15 +318,19 @@ class Trainer:
         self.scheduler = lr_scheduler.LambdaLR(self.optimizer, lr_lambda=self.lf)
 
     def restore(self, ckpt):
-        """Continue a run: optimizer, EMA with its update count, grad scaler, epoch and best fitness."""
+        """Continue a run: optimizer, EMA with its update count, grad scaler, best fitness and the position, with
+        each rank's own statistics where it stopped mid-epoch (yolov9_ddp.position)."""
         self.optimizer.load_state_dict(ckpt['optimizer'])
         self.ema.ema.load_state_dict(ckpt['ema'].float().state_dict())
         self.ema.updates = ckpt['updates']
         if ckpt.get('scaler'):
             self.scaler.load_state_dict(ckpt['scaler'])
         self.best_fitness = ckpt.get('best_fitness') or 0.0
-        self.start_epoch = ckpt['epoch'] + 1  # all epochs done (killed while finishing): fit() only finishes
-        LOGGER.info(f'Resuming training from {self.opt.weights} at epoch {self.start_epoch} of {self.opt.epochs}')
+        self.start = position.resume_point(ckpt, len(self.dataset), self.batch_size, self.opt.weights)
+        if self.start.ranks:
+            self.resumed_mean_loss = position.restore_rank_state(self.start.ranks, self.rank, self.world,
+                                                                 self.raw_model, self.ema.ema)
+        LOGGER.info(position.describe(self.start, self.nb, self.opt.weights) + f' ({self.opt.epochs} epochs)')
         self.warn_if_batchnorm_batch_changes(ckpt.get('world_size'))  # None: a checkpoint of an earlier kit
 
     def warn_if_batchnorm_batch_changes(self, previous_world):
@@ -342,6 +347,7 @@ class Trainer:
         opt, per_rank, levers = self.opt, self.batch_size // self.world, self.levers
         self.train_loader, self.dataset = data.train_loader(self.task, self.data_dict['train'], self.imgsz, per_rank,
                                                             gs, opt, self.hyp, levers, self.cuda, colorstr('train: '))
+        self.nb = self.train_loader.batch_sampler.steps  # global batches per epoch
         labels = np.concatenate(self.dataset.labels, 0)
         max_class = int(labels[:, 0].max()) if len(labels) else -1
         if max_class >= self.nc:
@@ -369,12 +375,16 @@ class Trainer:
     # training ---------------------------------------------------------------------------------------------------
 
     def init_loop_state(self):
-        self.nb = len(self.train_loader)
+        start = self.start
         self.warmup_iters = max(round(self.hyp['warmup_epochs'] * self.nb), 100)
-        self.last_opt_step = -1
+        self.last_opt_step = start.last_opt_step
+        self.accumulate = start.accumulate or self.accumulate
         self.maps = np.zeros(self.nc)
-        self.scheduler.last_epoch = self.start_epoch - 1
+        # the epoch being trained, as in an uninterrupted run (upstream's start_epoch - 1 repeats the learning rate
+        # of the resumed epoch in the next one)
+        self.scheduler.last_epoch = start.epoch
         self.stopper = EarlyStopping(patience=self.opt.patience)
+        self.stopper.best_epoch, self.stopper.best_fitness = start.best_epoch, self.best_fitness
 
     def fit(self):
         opt = self.opt
@@ -385,11 +395,11 @@ class Trainer:
                     f"Logging results to {colorstr('bold', self.save_dir)}\n"
                     f'Starting training for {opt.epochs} epochs...')
         t0 = time.time()
-        epoch = self.start_epoch - 1
-        for epoch in range(self.start_epoch, opt.epochs):
+        epoch = self.start.epoch - 1
+        for epoch in range(self.start.epoch, opt.epochs):
             self.callbacks.run('on_train_epoch_start')
             started = time.time()
-            mloss = self.train_epoch(epoch)
+            mloss = self.train_epoch(epoch, self.start.step if epoch == self.start.epoch else 0)
             trained = time.time()
             lr = [x['lr'] for x in self.optimizer.param_groups]
             self.scheduler.step()
@@ -398,19 +408,54 @@ class Trainer:
             LOGGER.info(f'epoch {epoch}: {len(self.dataset)} images in {trained - started:.1f} s '
                         f'({len(self.dataset) / (trained - started):.1f} img/s); validation {self.val_seconds:.1f} s, '
                         f'epoch end {time.time() - trained:.1f} s{memory}')
+            if self.pending_signal:  # signalled in the epoch's last steps, after its last optimizer step
+                self.interrupt(epoch + 1, 0, mloss)
             if stop:
                 break
-        LOGGER.info(f'\n{epoch - self.start_epoch + 1} epochs completed in {(time.time() - t0) / 3600:.3f} hours.')
+        LOGGER.info(f'\n{epoch - self.start.epoch + 1} epochs completed in {(time.time() - t0) / 3600:.3f} hours.')
         self.finish(epoch)
 
-    def interrupt(self, signum, epoch):
-        """Every rank stops after the same step; rank 0 first saves that step's state if --save-on-signal."""
+    def interrupt(self, epoch, step, mloss):
+        """Every rank stops at the same optimizer-step boundary; rank 0 first saves it if --save-on-signal."""
         saved = None
-        if self.primary and self.opt.save_on_signal:
-            # epoch - 1 is the last complete epoch: a resume runs this epoch again from these weights
-            self.save(epoch - 1, fitness_of=None, final_epoch=False)
+        if self.opt.save_on_signal:
+            where = self.position_at(epoch, step, mloss)
+            if self.primary:
+                self.save(where, fitness_of=None, final_epoch=False)
             saved = self.last
-        raise shutdown.Interrupted(signum, saved)
+        raise shutdown.Interrupted(self.pending_signal, saved)
+
+    def position_at(self, epoch, step, mloss) -> position.Position:
+        """The run's position after step global batches of epoch (a collective mid-epoch: each rank's own
+        statistics go with it)."""
+        ranks = None
+        if 0 < step:  # at an epoch's start the ranks hold the statistics synchronised at the end of the last
+            ranks = comm.all_gather_object(position.rank_state(self.raw_model, self.ema.ema, mloss))
+        return position.Position(epoch, step, self.last_opt_step, int(self.accumulate), self.stopper.best_epoch,
+                                 len(self.dataset), self.batch_size, ranks)
+
+    def after_step(self, epoch, i, ni, mloss):
+        """Signals and periodic checkpoints act at the first optimizer-step boundary (no gradient pending) from
+        where every rank learnt of them: all ranks at the same step."""
+        signum, timed = self.stop.agreed(ni, self.primary and self.checkpoint_time_passed())
+        self.pending_signal = self.pending_signal or signum
+        if self.last_opt_step != ni:
+            self.checkpoint_pending |= timed
+            return
+        every = self.opt.checkpoint_steps
+        if self.pending_signal:
+            self.interrupt(epoch, i + 1, mloss)
+        if self.checkpoint_pending or timed or (every and self.ema.updates % every == 0):
+            self.save_periodic(self.position_at(epoch, i + 1, mloss))
+
+    def checkpoint_time_passed(self) -> bool:
+        minutes = self.opt.checkpoint_minutes
+        return bool(minutes) and time.monotonic() - self.last_checkpoint_time >= minutes * 60
+
+    def save_periodic(self, where: position.Position):
+        self.checkpoint_pending, self.last_checkpoint_time = False, time.monotonic()
+        if self.primary:
+            self.save(where, fitness_of=None, final_epoch=False)
 
     def close(self):
         """On every way out: stop handling signals and end this rank's loader workers, which would otherwise
@@ -424,22 +469,25 @@ class Trainer:
         peaks = comm.all_gather_object(torch.cuda.max_memory_reserved(self.device) // 2 ** 20)
         return '; peak reserved MiB per rank ' + ', '.join(map(str, peaks))
 
-    def train_epoch(self, epoch):
+    def train_epoch(self, epoch, start_step=0):
         opt, dataset = self.opt, self.dataset
         self.model.train()
         if opt.image_weights:  # one process only (checked in cli)
             class_weights = self.raw_model.class_weights.cpu().numpy() * (1 - self.maps) ** 2 / self.nc
             weights = labels_to_image_weights(dataset.labels, nc=self.nc, class_weights=class_weights)
-            dataset.indices = random.choices(range(dataset.n), weights=weights, k=dataset.n)
+            dataset.indices = stream.image_weights_draw(opt.seed, epoch).choices(range(dataset.n), weights=weights,
+                                                                                 k=dataset.n)
         if epoch == opt.epochs - opt.close_mosaic:
-            LOGGER.info('Closing dataloader mosaic')
-            dataset.mosaic = False
-        data.set_epoch(self.train_loader, epoch)
+            LOGGER.info('Closing dataloader mosaic')  # the epoch of each sample decides (yolov9_ddp.stream)
+        data.set_epoch(self.train_loader, epoch, start_step)
         losses = self.task.loss_names
         mloss = torch.zeros(len(losses), device=self.device)
+        if start_step:
+            mloss = self.resumed_mean_loss.to(self.device)
         columns = ('Epoch', 'GPU_mem', *losses, 'Instances', 'Size')
         LOGGER.info(('\n' + '%11s' * len(columns)) % columns)
-        pbar = tqdm(enumerate(self.train_loader), total=self.nb, bar_format=TQDM_BAR_FORMAT, disable=not self.primary)
+        pbar = tqdm(enumerate(self.train_loader, start_step), total=self.nb, initial=start_step,
+                    bar_format=TQDM_BAR_FORMAT, disable=not self.primary)
         self.optimizer.zero_grad()
         non_blocking = self.levers.pin_memory
         for i, batch in pbar:
@@ -452,9 +500,7 @@ class Trainer:
             loss_items = self.train_step(ni, epoch, imgs, targets.to(self.device, non_blocking=non_blocking),
                                          **self.task.loss_inputs(batch, self.device, non_blocking))
             mloss = (mloss * i + loss_items) / (i + 1)
-            signum = self.stop.agreed(i)
-            if signum:
-                self.interrupt(signum, epoch)
+            self.after_step(epoch, i, ni, mloss)
             if self.primary:
                 if i % self.levers.progress_every == 0 or i == self.nb - 1:  # formatting the losses syncs the GPU
                     mem = f'{torch.cuda.memory_reserved() / 1E9 if torch.cuda.is_available() else 0:.3g}G'
@@ -481,7 +527,7 @@ class Trainer:
         if ni <= self.warmup_iters:
             self.warmup(ni, epoch)
         if opt.multi_scale:
-            imgs = self.rescale(imgs)
+            imgs = self.rescale(imgs, ni)
         steps = ni - self.last_opt_step >= self.accumulate
         # micro-steps that do not step skip DDP's gradient all-reduce; the stepping one reduces the sum
         sync = nullcontext() if steps or self.world == 1 else self.model.no_sync()
@@ -506,9 +552,10 @@ class Trainer:
         self.optimizer.zero_grad()
         self.update_ema(self.model)
 
-    def rescale(self, imgs):
+    def rescale(self, imgs, ni):
+        """--multi-scale: the size of step ni, the same on every rank and in every start (yolov9_ddp.stream)."""
         gs = max(int(self.raw_model.stride.max()), 32)
-        size = random.randrange(int(self.imgsz * 0.5), int(self.imgsz * 1.5) + gs) // gs * gs
+        size = stream.scale_draw(self.opt.seed, ni).randrange(int(self.imgsz * 0.5), int(self.imgsz * 1.5) + gs) // gs * gs
         factor = size / max(imgs.shape[2:])
         if factor == 1:
             return imgs
@@ -532,7 +579,7 @@ class Trainer:
             self.best_fitness = fi
         self.callbacks.run('on_fit_epoch_end', list(mloss) + list(self.results) + lr, epoch, self.best_fitness, fi)
         if self.primary and (not opt.nosave or final_epoch):
-            self.save(epoch, fi, final_epoch)
+            self.save(self.position_at(epoch + 1, 0, mloss), fi, final_epoch)
         return stop
 
     def validate(self, model, plots, compute_loss=True):
@@ -545,13 +592,25 @@ class Trainer:
                                   compute_loss=self.compute_loss if compute_loss else None,
                                   distributed=self.world > 1, **self.task.validation_options(self.opt))
 
-    def save(self, epoch, fitness_of, final_epoch):
+    def save(self, where: position.Position, fitness_of, final_epoch):
         """Rank 0: everything a resume needs, written atomically (yolov9_ddp.checkpoint.save_atomic).
 
-        fitness_of is this epoch's fitness; None for the state of an interrupted epoch, which is never best.pt.
+        fitness_of is this epoch's fitness; None for a position inside an epoch, which is never best.pt.
         """
-        ckpt = {
-            'epoch': epoch,
+        epoch = where.epoch - 1  # upstream's: the last complete epoch
+        ckpt = self.checkpoint_of(where)
+        checkpoint.save_atomic(ckpt, self.last, keep_previous=True)
+        runs.write_record(self.save_dir, saved_epoch=epoch, saved_position=[where.epoch, where.step])
+        if fitness_of is not None and self.best_fitness == fitness_of:
+            checkpoint.save_atomic(ckpt, self.best)
+        if fitness_of is not None and self.opt.save_period > 0 and epoch % self.opt.save_period == 0:
+            checkpoint.save_atomic(ckpt, self.weights_dir / f'epoch{epoch}.pt')
+        self.callbacks.run('on_model_save', self.last, epoch, final_epoch, self.best_fitness, fitness_of)
+
+    def checkpoint_of(self, where: position.Position) -> dict:
+        """Upstream's checkpoint (its scripts read ours) with the grad scaler, the world size and the position."""
+        return {
+            'epoch': where.epoch - 1,
             'best_fitness': self.best_fitness,
             'model': portable_copy(self.raw_model),
             'ema': portable_copy(self.ema.ema),
@@ -559,17 +618,11 @@ class Trainer:
             'optimizer': self.optimizer.state_dict(),
             'scaler': self.scaler.state_dict(),
             'world_size': self.world,  # a resume on another number of processes says what that changes
+            position.KEY: position.record(where),
             'opt': {k: v for k, v in vars(self.opt).items() if k != 'save_dir'},
             'git': None,
             'date': datetime.now().isoformat(),
             'format': checkpoint.FORMAT}
-        checkpoint.save_atomic(ckpt, self.last, keep_previous=True)
-        runs.write_record(self.save_dir, saved_epoch=epoch)
-        if fitness_of is not None and self.best_fitness == fitness_of:
-            checkpoint.save_atomic(ckpt, self.best)
-        if self.opt.save_period > 0 and epoch % self.opt.save_period == 0:
-            checkpoint.save_atomic(ckpt, self.weights_dir / f'epoch{epoch}.pt')
-        self.callbacks.run('on_model_save', self.last, epoch, final_epoch, self.best_fitness, fitness_of)
 
     def finish(self, epoch):
         """Strip the checkpoints (rank 0), validate best.pt on all ranks with plots, report the mAP."""
