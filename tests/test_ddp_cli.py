@@ -186,7 +186,8 @@ def test_help_documents_the_kit_flags(patched_tree):
     entries = {}  # option -> its help entry (the option lines, not the usage summary)
     for entry in re.split(r'\n(?=  -)', text.split('\n\n', 1)[1]):
         entries[entry.split()[0].rstrip(',')] = ' '.join(entry.split())
-    for flag in ('--ddp-timeout', '--auto-resume', '--demo-dir', '--levers'):
+    for flag in ('--ddp-timeout', '--auto-resume', '--demo-dir', '--levers', '--checkpoint-steps',
+                 '--checkpoint-minutes'):
         assert flag in entries and len(entries[flag].split()) > 4, f'{flag} is not documented:\n{text}'
     assert f'(default: {DEFAULT_TIMEOUT_S} s' in entries['--ddp-timeout'], entries['--ddp-timeout']
 

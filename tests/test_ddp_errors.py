@@ -337,6 +337,19 @@ def test_check_launch_positive_ddp_timeout(options, timeout):
     assert '--ddp-timeout' in refused_launch(options('--ddp-timeout', timeout))
 
 
+def test_checkpoint_intervals_are_off_by_default_and_parse_as_counts_and_minutes(options):
+    assert (options().checkpoint_steps, options().checkpoint_minutes) == (0, 0)
+    opt = options('--checkpoint-steps', 500, '--checkpoint-minutes', 2.5)
+    assert (opt.checkpoint_steps, opt.checkpoint_minutes) == (500, 2.5)
+    cli.check_launch(opt)
+
+
+@pytest.mark.parametrize('flag, value', [('--checkpoint-steps', '-1'), ('--checkpoint-minutes', '-0.5'),
+                                         ('--checkpoint-minutes', 'nan')])
+def test_check_launch_refuses_negative_checkpoint_intervals(options, flag, value):
+    assert refused_launch(options(flag, value)).startswith(f'{flag} {value}: give a number of ')
+
+
 def test_check_launch_resume_or_auto_resume_not_both(options):
     cli.check_launch(options('--auto-resume'))
     assert '--auto-resume' in refused_launch(options('--resume', '--auto-resume'))

@@ -184,15 +184,18 @@ def test_a_global_batch_names_the_process_counts_it_splits_over():
 def test_a_resume_keeps_the_runs_options_but_the_start_options_given_for_it(tmp_path):
     hyp = tmp_path / 'hyp.yaml'
     hyp.write_text('lr0: 0.01\n')
-    argv = ['--resume', 'last.pt', '--workers', '2', '--batch-size', '16', '--epochs', '3', '--hyp', str(hyp)]
+    argv = ['--resume', 'last.pt', '--workers', '2', '--batch-size', '16', '--epochs', '3', '--hyp', str(hyp),
+            '--checkpoint-minutes', '5']
     dual = TASKS['detect-dual']
     options, given = vars(cli.parse_args(argv, tmp_path, dual)), cli.given_flags(argv, tmp_path, dual)
     recorded = {'batch_size': 12, 'epochs': 3, 'device': 'cpu', 'workers': 0, 'ddp_timeout': 60.0,
-                'hyp': {'lr0': 0.01, 'anchor_t': 5.0}, 'auto_resume': True}
+                'hyp': {'lr0': 0.01, 'anchor_t': 5.0}, 'auto_resume': True, 'checkpoint_steps': 200,
+                'checkpoint_minutes': 10.0}
     resumed = runs.resumed_options(options, recorded, given)
     assert (resumed['batch_size'], resumed['device'], resumed['ddp_timeout']) == (12, 'cpu', 60.0)  # the run's
     assert (resumed['workers'], resumed['auto_resume']) == (2, False)  # given for this start / how it was launched
-    # --epochs and --hyp say what the run has; --resume and --workers are this start's
+    assert (resumed['checkpoint_minutes'], resumed['checkpoint_steps']) == (5.0, 200)  # given / the run's
+    # --epochs and --hyp say what the run has; --resume, --workers and --checkpoint-minutes are this start's
     assert runs.overruled_flags(options, recorded, given) == ['--batch-size 16 (the run has 12)']
 
 

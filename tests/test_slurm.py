@@ -49,6 +49,32 @@ def test_a_job_script_started_outside_slurm_says_so_in_one_line(script, patched_
     assert result.stdout == '', describe(result)
 
 
+FAKE_LAUNCHER = '#!/bin/bash\nprintf "%s\\n" "$@" > "$LAUNCHED"\n'  # torchrun or srun: records its arguments
+
+
+@pytest.mark.parametrize('script', SCRIPT_NAMES)
+@pytest.mark.parametrize('flags, default', [([], ['--checkpoint-minutes', '10']),
+                                            (['--checkpoint-steps', '500'], []),
+                                            (['--checkpoint-minutes=0'], [])])
+def test_a_job_checkpoints_every_10_minutes_unless_its_flags_say_how_often(script, flags, default, tmp_path):
+    """What the script launches, with torchrun, srun and scontrol replaced by scripts that record it."""
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    for name, text in (('torchrun', FAKE_LAUNCHER), ('srun', FAKE_LAUNCHER), ('scontrol', '#!/bin/bash\necho n1\n')):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / 'ddp_train_dual.py').touch()
+    env = {'PATH': f'{bin_dir}:/usr/bin:/bin', 'LAUNCHED': str(tmp_path / 'launched'), 'SLURM_JOB_ID': '7',
+           'SLURM_JOB_NAME': 'yolov9-ddp', 'SLURM_GPUS_ON_NODE': '2', 'SLURM_GPUS_PER_TASK': '2',
+           'SLURM_NTASKS': '1', 'SLURM_JOB_NODELIST': 'n1'}
+    result = subprocess.run(['bash', str(SCRIPTS / script), '--epochs', '1', *flags], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, describe(result)
+    launched = (tmp_path / 'launched').read_text().splitlines()
+    assert launched[launched.index('ddp_train_dual.py') + 1:] == ['--auto-resume', '--save-on-signal', *default,
+                                                                  '--name', 'yolov9-ddp-7', '--epochs', '1', *flags]
+
+
 def test_a_repeated_sigterm_is_one_stop_request_and_a_second_sigint_interrupts():
     """Slurm signals every process of a job step and torchrun passes its own SIGTERM on: each training process may
     get SIGTERM twice, which must not cut short the checkpoint the first asked for."""

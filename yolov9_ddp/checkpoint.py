@@ -5,13 +5,21 @@ into place with os.replace (as timm's CheckpointSaver): a crash at any moment le
 previous file or the new one, never a truncated one. The format is upstream's (the model objects
 are pickled, so upstream's val_dual.py, detect_dual.py and attempt_load() read our files), plus
 what an exact resume needs: the grad scaler and the kit's format version.
+
+Periodic checkpoints (--checkpoint-steps, --checkpoint-minutes) are written off the training thread, as
+torchtitan's asynchronous checkpoints: rank 0 takes a host_copy() of the state between two steps and a
+CheckpointWriter writes it in a background thread, one write at a time, while training goes on.
 """
+import io
 import os
 import pickle
+import threading
+import time
 import zipfile
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from yolov9_ddp.comm import Unanimous
 
@@ -68,6 +76,113 @@ def remove_stale_temporaries(folder: Path):
     """Temporary files of writers that were killed before their os.replace."""
     for tmp in Path(folder).glob('.*.tmp'):
         tmp.unlink(missing_ok=True)
+
+
+def host_copy(obj):
+    """A copy of a checkpoint whose tensors are detached copies in host memory, sharing nothing with obj: the training
+    thread goes on changing its own (the next optimizer step, the EMA) while a background thread writes this one.
+
+    obj is pickled in memory as torch.save would write it (modules, optimizer state, nested containers), with every
+    tensor set aside and copied to the CPU one at a time: a model on a GPU never has a second copy there, as a
+    deepcopy would make before moving it, and a tensor held in two places is copied once, as torch.save keeps it."""
+    buffer = io.BytesIO()
+    pickler = TensorsAside(buffer)
+    pickler.dump(obj)
+    buffer.seek(0)
+    return TensorsBack(buffer, pickler.tensors).load()
+
+
+class TensorsAside(pickle.Pickler):
+    """Pickles all but the tensors, which it copies to host memory into self.tensors (subclassed rather than given a
+    persistent_id attribute, which Python 3.13.0 does not support)."""
+
+    def __init__(self, file):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors, self.index = [], {}
+
+    def persistent_id(self, obj):
+        if not isinstance(obj, torch.Tensor):
+            return None
+        if id(obj) not in self.index:
+            self.index[id(obj)] = len(self.tensors)
+            self.tensors.append(on_host(obj))
+        return self.index[id(obj)]
+
+
+class TensorsBack(pickle.Unpickler):
+    """Unpickles what TensorsAside pickled, with its host copies in place of the tensors."""
+
+    def __init__(self, file, tensors: list):
+        super().__init__(file)
+        self.tensors = tensors
+
+    def persistent_load(self, pid):
+        return self.tensors[pid]
+
+
+def on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached copy in host memory, in the same memory format; a Parameter stays one (a pickled module's are)."""
+    copy = tensor.detach().to('cpu', copy=True)
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(copy, requires_grad=tensor.requires_grad)
+    return copy.requires_grad_(tensor.requires_grad)
+
+
+class CheckpointWriter:
+    """Rank 0's writer of periodic checkpoints: save_atomic(keep_previous=True) in a background thread, one write at
+    a time, so that a slow disk never stalls training (and with it every rank, at the next collective).
+
+    A write still running when the next is due makes that one skipped, with one line: the next due one comes soon
+    enough, and a queue behind a slow disk would only grow. A write that fails costs that checkpoint only.
+
+    The thread is no daemon: a normal exit (sys.exit on a failure too) joins it, so a write under way completes
+    rather than being cut off during the interpreter's teardown; a SIGKILL mid-write leaves the previous files, as
+    any crash does (save_atomic). Any synchronous save into the same folder must wait() first: in one process both
+    writers of a file would use the same temporary file (temporary_path)."""
+
+    def __init__(self, log):
+        self.log = log  # one line per skipped or failed write
+        self.thread = None
+        self.started = None  # time.monotonic() of the running write's start
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def submit(self, ckpt, path: Path, name: str) -> bool:
+        """Start writing ckpt (a host_copy(), which nothing else changes) to path, unless the previous write still
+        runs: then skip it with one line; name says which checkpoint this is ('checkpoint at step 1200')."""
+        if self.running:
+            self.log(f'{name} skipped: the previous write ({time.monotonic() - self.started:.1f} s so far) is still '
+                     f'running')
+            return False
+        self.started = time.monotonic()
+        self.thread = threading.Thread(target=self.write, args=(ckpt, Path(path), name), name='checkpoint-writer')
+        self.thread.start()
+        return True
+
+    def write(self, ckpt, path: Path, name: str):
+        try:
+            save_atomic(ckpt, path, keep_previous=True)
+        except Exception as e:  # disk full, permissions: no partial file, and the checkpoints before it are intact
+            detail = ' '.join(str(e).split())[:200]  # one line, whatever the error's text
+            self.log(f'WARNING: {name} could not be written to {path} ({type(e).__name__}: {detail}); '
+                     f'training goes on, and a resume takes the checkpoint before it')
+
+    def wait(self):
+        """Block until the write under way (if any) has ended: before a synchronous save, and at the end."""
+        if self.thread is not None:
+            self.thread.join()
+
+    def close(self):
+        """The end of training: the last write completes before the run goes on to strip and validate."""
+        self.wait()
 
 
 def load_checkpoint(path: Path, require_resume_state=False) -> dict:

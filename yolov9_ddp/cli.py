@@ -103,8 +103,13 @@ def add_kit_flags(p):
     kit.add_argument('--save-on-signal', action='store_true',
                      help='on SIGTERM/SIGINT, stop all ranks after the same step and write a resumable last.pt '
                           '(without it the run stops cleanly and resumes from its last complete epoch)')
-    kit.add_argument('--checkpoint-steps', type=int, default=0, metavar='N', help='TEMPORARY')
-    kit.add_argument('--checkpoint-minutes', type=float, default=0, metavar='M', help='TEMPORARY')
+    kit.add_argument('--checkpoint-steps', type=int, default=0, metavar='N',
+                     help='write a resumable last.pt every N optimizer steps (default: 0, off), off the training '
+                          'thread, atomically, keeping the previous one as last.previous.pt; a write still running '
+                          'when the next is due makes that one skipped')
+    kit.add_argument('--checkpoint-minutes', type=float, default=0, metavar='M',
+                     help='write a resumable last.pt every M minutes (default: 0, off), as --checkpoint-steps: a '
+                          'SIGKILL (the OOM killer, a lost node) then costs about M minutes of training')
     kit.add_argument('--levers', metavar='NAME=VALUE,...', default=None,
                      help='performance levers of yolov9_ddp/levers.py, e.g. cudnn_benchmark=0,channels_last=1 '
                           '(recorded in opt.yaml: a resume keeps the run\'s levers unless given again)')
@@ -149,6 +154,10 @@ def check_launch(opt):
     """Reject what this start's flags cannot mean, before they choose the run (and, on resume, its options)."""
     if opt.ddp_timeout <= 0:
         raise UsageError('--ddp-timeout must be a positive number of seconds')
+    if opt.checkpoint_steps < 0:
+        raise UsageError(f'--checkpoint-steps {opt.checkpoint_steps}: give a number of optimizer steps, or 0 for none')
+    if not opt.checkpoint_minutes >= 0:  # nan too
+        raise UsageError(f'--checkpoint-minutes {opt.checkpoint_minutes}: give a number of minutes, or 0 for none')
     if opt.resume and opt.auto_resume:
         raise UsageError('give either --resume or --auto-resume, not both')
 

@@ -28,7 +28,8 @@ import yaml
 from yolov9_ddp.checkpoint import CheckpointError, fsync_dir, previous_path
 
 RUN_RECORD = 'run.json'
-START_OPTIONS = ('device', 'workers', 'ddp_timeout', 'save_on_signal')  # this start's where given, else the run's
+START_OPTIONS = ('device', 'workers', 'ddp_timeout', 'save_on_signal',  # this start's where given, else the run's
+                 'checkpoint_steps', 'checkpoint_minutes')
 LAUNCH_OPTIONS = ('local_rank', 'auto_resume')  # always this start's: how it was launched
 # given on resume without being overruled: --resume itself, the checkpoint that replaces --weights, the levers,
 # which change the run's (yolov9_ddp.levers.resumed_levers), and --deterministic, which a resume may set

@@ -1,0 +1,187 @@
+"""Periodic checkpoints (issue 21, point 3): rank 0 takes a host_copy() of the training state between two steps and a
+CheckpointWriter writes it off the training thread (yolov9_ddp.checkpoint). Unit tests, no training:
+
+  - the copy lives in host memory and shares nothing with the state the training thread goes on changing
+    (modules, optimizer state, nested containers); on a GPU, without a second copy of the model there
+  - one write at a time: a write still running makes the next one skipped, with one line, and submit() returns at
+    once; wait() ends the write under way
+  - the replaced last.pt stays as last.previous.pt
+  - a write that fails says so in one line and leaves the checkpoints before it intact; the next write works
+  - a write under way when the process exits completes
+"""
+import re
+import subprocess
+import sys
+import threading
+from copy import deepcopy
+
+import pytest
+import torch
+from torch import nn
+
+from testsupport.trees import KIT
+from yolov9_ddp import checkpoint
+from yolov9_ddp.checkpoint import CheckpointWriter, host_copy, previous_path
+
+pytestmark = pytest.mark.timeout(60)
+SKIPPED = re.compile(r'^checkpoint at step 20 skipped: the previous write \(\d+\.\d s so far\) is still running$')
+
+
+def training_state():
+    """A model, its EMA, an optimizer with momentum after one step, and nested values, as a checkpoint holds them."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    optimizer.step()
+    return {'epoch': 3, 'model': model, 'ema': deepcopy(model).eval(), 'optimizer': optimizer.state_dict(),
+            'position': {'step': 7, 'rng': [torch.arange(4), (torch.ones(2),)]}}, optimizer
+
+
+def tensors(obj) -> list:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, nn.Module):
+        return [*obj.parameters(), *obj.buffers()]
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else []
+    return [t for value in values for t in tensors(value)]
+
+
+def test_a_host_copy_shares_nothing_with_the_training_state():
+    state, optimizer = training_state()
+    copy = host_copy(state)
+    expected = [t.clone() for t in tensors(copy)]
+    originals = tensors(state)
+    assert len(originals) == len(expected) > 10
+    assert not {t.untyped_storage().data_ptr() for t in originals} & {t.untyped_storage().data_ptr()
+                                                                        for t in tensors(copy)}
+    with torch.no_grad():  # the training thread goes on: an optimizer step, the EMA, the next position
+        for t in originals:
+            t.add_(1)
+    state['position']['step'] = 8
+    state['optimizer']['param_groups'][0]['lr'] = 0.2
+    assert all(torch.equal(a, b) for a, b in zip(tensors(copy), expected))
+    assert copy['position']['step'] == 7 and copy['optimizer']['param_groups'][0]['lr'] == 0.1
+    assert optimizer.state_dict()['state'][0]['momentum_buffer'] is not copy['optimizer']['state'][0]['momentum_buffer']
+
+
+def test_a_host_copy_keeps_the_modules_and_their_parameters():
+    state, _ = training_state()
+    copy = host_copy(state)
+    for key in ('model', 'ema'):
+        assert type(copy[key]) is nn.Sequential and copy[key] is not state[key]
+        assert copy[key].training == state[key].training
+        for mine, theirs in zip(copy[key].parameters(), state[key].parameters()):
+            assert type(mine) is nn.Parameter and mine.requires_grad == theirs.requires_grad and mine.grad is None
+            assert mine.device.type == 'cpu' and torch.equal(mine, theirs)
+    assert copy['position']['rng'][1][0].is_leaf and isinstance(copy['position']['rng'][1], tuple)
+    twice = host_copy({'model': state['model'], 'again': state['model'], 'tensor': [state['position']['rng'][0]] * 2})
+    assert twice['again'] is twice['model'] and twice['tensor'][0] is twice['tensor'][1]  # held twice, copied once
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a GPU')
+def test_a_model_on_a_gpu_is_copied_to_the_host_without_a_second_copy_there():
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)]).cuda()  # 64 MiB of weights
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    copy = host_copy({'model': model})
+    assert torch.cuda.max_memory_allocated() - before < size / 4
+    assert {p.device.type for p in copy['model'].parameters()} == {'cpu'}
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(model.parameters(), copy['model'].parameters()))
+
+
+# -- the writer --------------------------------------------------------------------------------------------------------
+
+def epoch_of(path) -> int:
+    return torch.load(path, weights_only=False)['epoch']
+
+
+def test_the_checkpoint_it_replaces_stays_as_last_previous(tmp_path):
+    last, lines = tmp_path / 'last.pt', []
+    with CheckpointWriter(lines.append) as writer:
+        assert writer.submit({'epoch': 1}, last, 'checkpoint at step 10')
+        writer.wait()
+        assert writer.submit({'epoch': 2}, last, 'checkpoint at step 20')
+    assert not writer.running
+    assert (epoch_of(last), epoch_of(previous_path(last))) == (2, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['last.previous.pt', 'last.pt'] and lines == []
+
+
+@pytest.fixture
+def slow_disk(monkeypatch):
+    """torch.save blocks until the test sets the returned Event; it records how many saves ever ran at once."""
+    release, lock, running, most = threading.Event(), threading.Lock(), [0], [0]
+    real_save = torch.save
+
+    def blocking_save(obj, f):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        release.wait(30)
+        real_save(obj, f)
+        with lock:
+            running[0] -= 1
+
+    monkeypatch.setattr(checkpoint.torch, 'save', blocking_save)
+    release.most_at_once = most
+    return release
+
+
+def test_a_write_still_running_makes_the_next_one_skipped_with_one_line(tmp_path, slow_disk):
+    last, lines = tmp_path / 'last.pt', []
+    writer = CheckpointWriter(lines.append)
+    assert writer.submit({'epoch': 1}, last, 'checkpoint at step 10')  # returns while the write blocks
+    assert not writer.submit({'epoch': 2}, last, 'checkpoint at step 20')
+    assert len(lines) == 1 and SKIPPED.match(lines[0]), lines
+    assert writer.running and not last.exists()
+    slow_disk.set()
+    writer.wait()
+    assert epoch_of(last) == 1 and not writer.running
+    assert writer.submit({'epoch': 3}, last, 'checkpoint at step 30')
+    writer.close()
+    assert (epoch_of(last), epoch_of(previous_path(last))) == (3, 1)
+    assert slow_disk.most_at_once == [1] and len(lines) == 1
+
+
+def test_a_failing_write_says_so_in_one_line_and_keeps_the_checkpoints_before_it(tmp_path, monkeypatch):
+    last, lines = tmp_path / 'last.pt', []
+    writer = CheckpointWriter(lines.append)
+    for epoch in (1, 2):
+        writer.submit({'epoch': epoch}, last, f'checkpoint at step {epoch}0')
+        writer.wait()
+
+    def disk_full(obj, f):
+        f.write(b'PK\x03\x04 partial')
+        raise OSError(28, 'No space left on device')
+
+    monkeypatch.setattr(checkpoint.torch, 'save', disk_full)
+    assert writer.submit({'epoch': 3}, last, 'checkpoint at step 30')
+    writer.wait()
+    assert lines == [f'WARNING: checkpoint at step 30 could not be written to {last} (OSError: [Errno 28] No space '
+                     f'left on device); training goes on, and a resume takes the checkpoint before it']
+    assert (epoch_of(last), epoch_of(previous_path(last))) == (2, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['last.previous.pt', 'last.pt']  # no temporary file left
+    monkeypatch.undo()
+    assert writer.submit({'epoch': 4}, last, 'checkpoint at step 40')  # the writer goes on working
+    writer.close()
+    assert (epoch_of(last), epoch_of(previous_path(last))) == (4, 2)
+
+
+EXITS_WHILE_WRITING = '''
+import sys, time, torch
+from yolov9_ddp import checkpoint
+real_save = torch.save
+checkpoint.torch.save = lambda obj, f: (time.sleep(0.5), real_save(obj, f))
+writer = checkpoint.CheckpointWriter(print)
+writer.submit({'epoch': 5}, sys.argv[1], 'checkpoint at step 50')
+sys.exit(1)  # a failing rank: no wait(), no close()
+'''
+
+
+def test_a_write_under_way_when_the_process_exits_completes(tmp_path):
+    last = tmp_path / 'last.pt'
+    result = subprocess.run([sys.executable, '-c', EXITS_WHILE_WRITING, str(last)], cwd=KIT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 1 and result.stdout == '', result.stderr
+    assert epoch_of(last) == 5 and [p.name for p in tmp_path.iterdir()] == ['last.pt']
