@@ -155,21 +155,25 @@ class CheckpointWriter:
     def running(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
 
-    def submit(self, ckpt, path: Path, name: str) -> bool:
+    def submit(self, ckpt, path: Path, name: str, then=None) -> bool:
         """Start writing ckpt (a host_copy(), which nothing else changes) to path, unless the previous write still
-        runs: then skip it with one line; name says which checkpoint this is ('checkpoint at step 1200')."""
+        runs: then skip it with one line; name says which checkpoint this is ('checkpoint at step 1200'). then():
+        run in the writer's thread once the file is in place (the run's record of its checkpoints)."""
         if self.running:
             self.log(f'{name} skipped: the previous write ({time.monotonic() - self.started:.1f} s so far) is still '
                      f'running')
             return False
         self.started = time.monotonic()
-        self.thread = threading.Thread(target=self.write, args=(ckpt, Path(path), name), name='checkpoint-writer')
+        self.thread = threading.Thread(target=self.write, args=(ckpt, Path(path), name, then),
+                                       name='checkpoint-writer')
         self.thread.start()
         return True
 
-    def write(self, ckpt, path: Path, name: str):
+    def write(self, ckpt, path: Path, name: str, then):
         try:
             save_atomic(ckpt, path, keep_previous=True)
+            if then is not None:
+                then()
         except Exception as e:  # disk full, permissions: no partial file, and the checkpoints before it are intact
             detail = ' '.join(str(e).split())[:200]  # one line, whatever the error's text
             self.log(f'WARNING: {name} could not be written to {path} ({type(e).__name__}: {detail}); '

@@ -1,11 +1,12 @@
 """Clean shutdown on SIGTERM / SIGINT (a scheduler's pre-emption, Ctrl-C, torchrun stopping its workers).
 
-The handler only records the signal. Every step on CPUs, every CHECK_EVERY_CUDA steps on GPUs, all ranks learn, in one tiny all_reduce, whether
-any of them was signalled, so they all stop after the same step, the first optimizer-step boundary from there: none
-is left waiting in a collective for a rank that has gone. Then, where --save-on-signal asks for it, rank 0 writes
-a resumable checkpoint of that position (yolov9_ddp.position), and the process group is destroyed on the way out (comm.process_group). A second SIGINT
-(Ctrl-C again) interrupts at once. A second SIGTERM is the same request arriving twice: Slurm signals every process
-of a job step, and torchrun passes the SIGTERM it gets on to its workers, so each worker sees it twice.
+The handler only records the signal. Every step on CPUs, every CHECK_EVERY_CUDA steps on GPUs, all ranks learn,
+in one tiny all_reduce, whether any of them was signalled, so they all stop after the same step, the first
+optimizer-step boundary from there: none is left waiting in a collective for a rank that has gone. Then, where
+--save-on-signal asks for it, rank 0 writes a resumable checkpoint of that position (yolov9_ddp.position), and
+the process group is destroyed on the way out (comm.process_group). A second SIGINT (Ctrl-C again) interrupts at
+once. A second SIGTERM is the same request arriving twice: Slurm signals every process of a job step, and torchrun
+passes the SIGTERM it gets on to its workers, so each worker sees it twice.
 """
 import os
 import signal

@@ -73,7 +73,8 @@ class StreamSampler(Sampler):
 
     def __init__(self, num_images: int, global_batch: int, rank: int, world: int, seed: int):
         assert global_batch % world == 0, 'checked before: the world size divides the global batch'
-        self.num_images, self.global_batch, self.rank, self.world, self.seed = num_images, global_batch, rank, world, seed
+        self.num_images, self.global_batch, self.seed = num_images, global_batch, seed
+        self.rank, self.world = rank, world
         self.steps = steps_per_epoch(num_images, global_batch)
         self.epoch, self.start = 0, 0
 

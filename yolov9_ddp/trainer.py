@@ -10,7 +10,6 @@ import math
 import os
 import time
 from contextlib import nullcontext
-from copy import deepcopy
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -159,11 +158,6 @@ def strip_atomically(path: Path, dest: Path):
     LOGGER.info(f'Optimizer stripped from {path}, saved as {dest}, {dest.stat().st_size / 1E6:.1f}MB')
 
 
-def portable_copy(model):
-    """A copy to save: in the default memory format, which upstream's fuse_conv_and_bn() (a .view) requires."""
-    return deepcopy(model).to(memory_format=torch.contiguous_format)
-
-
 def rank_local_buffers() -> dict:
     """DDP option that stops the per-forward broadcast of buffers (BatchNorm statistics stay per rank and are
     averaged each epoch, see yolov9_ddp.ema); torch >= 2.14 renamed broadcast_buffers to forward_sync_buffers."""
@@ -200,6 +194,7 @@ class Trainer:
         self.levers = record_levers(opt)  # into opt: opt.yaml and the checkpoints keep them
         self.cuda = device.type == 'cuda'
         self.stop = shutdown.StopRequest(shutdown.CHECK_EVERY_CUDA if self.cuda else 1)
+        self.writer = checkpoint.CheckpointWriter(LOGGER.warning)  # rank 0's periodic checkpoints
         self.best_fitness = 0.0
         self.start = position.Position(epoch=0)  # where this start continues the run (a resume: its checkpoint's)
         self.pending_signal, self.checkpoint_pending, self.last_checkpoint_time = 0, False, time.monotonic()
@@ -453,14 +448,21 @@ class Trainer:
         return bool(minutes) and time.monotonic() - self.last_checkpoint_time >= minutes * 60
 
     def save_periodic(self, where: position.Position):
-        self.checkpoint_pending, self.last_checkpoint_time = False, time.monotonic()
-        if self.primary:
-            self.save(where, fitness_of=None, final_epoch=False)
+        """--checkpoint-steps/--checkpoint-minutes: rank 0 copies the state to host memory here, and writes it off
+        the training thread (checkpoint.CheckpointWriter: one write at a time, a due one skipped meanwhile)."""
+        self.checkpoint_pending = False
+        if not self.primary:
+            return
+        self.last_checkpoint_time = time.monotonic()
+        record = {'saved_epoch': where.epoch - 1, 'saved_position': [where.epoch, where.step]}
+        self.writer.submit(self.host_checkpoint(where), self.last, f'checkpoint at epoch {where.epoch} step '
+                           f'{where.step}', then=lambda: runs.write_record(self.save_dir, **record))
 
     def close(self):
         """On every way out: stop handling signals and end this rank's loader workers, which would otherwise
         live on (persistent ones until their iterator is garbage-collected, maybe never: issue 11)."""
         self.stop.close()
+        self.writer.close()  # a periodic checkpoint under way completes
         failures.end_children()
 
     def memory_report(self) -> str:
@@ -555,7 +557,8 @@ class Trainer:
     def rescale(self, imgs, ni):
         """--multi-scale: the size of step ni, the same on every rank and in every start (yolov9_ddp.stream)."""
         gs = max(int(self.raw_model.stride.max()), 32)
-        size = stream.scale_draw(self.opt.seed, ni).randrange(int(self.imgsz * 0.5), int(self.imgsz * 1.5) + gs) // gs * gs
+        sizes = range(int(self.imgsz * 0.5), int(self.imgsz * 1.5) + gs)
+        size = stream.scale_draw(self.opt.seed, ni).choice(sizes) // gs * gs
         factor = size / max(imgs.shape[2:])
         if factor == 1:
             return imgs
@@ -598,7 +601,9 @@ class Trainer:
         fitness_of is this epoch's fitness; None for a position inside an epoch, which is never best.pt.
         """
         epoch = where.epoch - 1  # upstream's: the last complete epoch
-        ckpt = self.checkpoint_of(where)
+        self.writer.wait()  # a periodic checkpoint under way: never two writers of last.pt
+        self.last_checkpoint_time = time.monotonic()
+        ckpt = self.host_checkpoint(where)
         checkpoint.save_atomic(ckpt, self.last, keep_previous=True)
         runs.write_record(self.save_dir, saved_epoch=epoch, saved_position=[where.epoch, where.step])
         if fitness_of is not None and self.best_fitness == fitness_of:
@@ -607,13 +612,21 @@ class Trainer:
             checkpoint.save_atomic(ckpt, self.weights_dir / f'epoch{epoch}.pt')
         self.callbacks.run('on_model_save', self.last, epoch, final_epoch, self.best_fitness, fitness_of)
 
+    def host_checkpoint(self, where: position.Position) -> dict:
+        """Upstream's checkpoint (its scripts read ours) with the grad scaler, the world size and the position: a
+        copy in host memory (checkpoint.host_copy), its models in the default memory format, which upstream's
+        fuse_conv_and_bn() (a .view) requires."""
+        ckpt = checkpoint.host_copy(self.checkpoint_of(where))
+        for key in ('model', 'ema'):
+            ckpt[key].to(memory_format=torch.contiguous_format)
+        return ckpt
+
     def checkpoint_of(self, where: position.Position) -> dict:
-        """Upstream's checkpoint (its scripts read ours) with the grad scaler, the world size and the position."""
         return {
             'epoch': where.epoch - 1,
             'best_fitness': self.best_fitness,
-            'model': portable_copy(self.raw_model),
-            'ema': portable_copy(self.ema.ema),
+            'model': self.raw_model,
+            'ema': self.ema.ema,
             'updates': self.ema.updates,
             'optimizer': self.optimizer.state_dict(),
             'scaler': self.scaler.state_dict(),
@@ -626,6 +639,7 @@ class Trainer:
 
     def finish(self, epoch):
         """Strip the checkpoints (rank 0), validate best.pt on all ranks with plots, report the mAP."""
+        self.writer.wait()
         if self.primary:
             for f in (self.last, self.best):
                 if f.exists():

@@ -35,7 +35,7 @@ FAULT is a ';'-separated list of faults ACTION:key=value:...; each fires at most
 
 FAULT_DIR (optional) receives one JSON file per event (KIND-rankR-attemptA-pidP-N.json, each with kind, rank,
 attempt, pid and time), so a test can tell what happened on which rank:
-  start   training starts (Trainer.fit) at start_epoch, from weights
+  start   training starts (Trainer.fit) at start_epoch and start_step, from weights
   fired   a fault fired (written before it takes effect), with the epoch in progress
   exit    the process returned from main() by itself: its exit status, whether destroy_process_group ran,
           the epoch in progress
@@ -220,7 +220,7 @@ def install():
         def wrapped(self):
             STATE['trainer'] = self
             self.compute_loss = compute_loss(self.compute_loss)
-            record('start', start_epoch=self.start_epoch, weights=str(self.opt.weights))
+            record('start', start_epoch=self.start.epoch, start_step=self.start.step, weights=str(self.opt.weights))
             return original(self)
         return wrapped
 

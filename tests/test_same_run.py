@@ -1,0 +1,160 @@
+"""The same run, every time (issue 21; yolov9_ddp.stream and yolov9_ddp.position). With --deterministic, the weights
+an uninterrupted 2-process run ends with (model, EMA and optimizer state, compared bit for bit) are those of the
+same run
+  - stopped by SIGTERM three times, at steps inside epochs, and resumed each time (--save-on-signal, --resume);
+  - loaded by 2 loader workers instead of none, with one rank SIGKILLed and both restarted by torchrun from the
+    newest periodic checkpoint (--checkpoint-steps), at its step;
+and a run of global batch 12 stopped on 2 processes, continued on 3 and stopped again, then finished on 2, trains
+every image of each epoch exactly once (recorded per rank by testsupport/probes/recording_train.py).
+Bit-identity across world sizes is not claimed: the order of the sums of an all-reduce changes with it."""
+import json
+import os
+import re
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from testsupport.faults import Job, start_job
+from testsupport.jobs import torchrun_cmd, train_args
+from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures('upstream_importable'), pytest.mark.slow]
+EPOCHS, BATCH, IMAGES = 2, 8, 40  # 5 global batches an epoch
+DEADLINE_S = 180  # a job of this module takes 15 to 40 s on 2 cores
+RECORDING = Path(__file__).resolve().parents[1] / 'testsupport' / 'probes' / 'recording_train.py'
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory):
+    return ensure_demo_dataset(tmp_path_factory.mktemp('data') / 'same-run', DemoSpec(train=IMAGES, val=8, imgsz=64))
+
+
+def args(data, project, *extra, batch=BATCH, name='exp'):
+    return [*train_args(data, project, EPOCHS, batch, 64, '--noval', '--deterministic', '--save-period', 1, *extra),
+            '--name', name]
+
+
+def launch(tree, workdir, name, nproc, script_args, max_restarts=0, script='ddp_train_dual.py', **env) -> Job:
+    cmd = torchrun_cmd(nproc, '--max-restarts', max_restarts, script, *script_args)
+    return start_job(cmd, tree, workdir, name, **env)
+
+
+def finished(job: Job) -> str:
+    assert job.wait(DEADLINE_S) == 0, job.output()[-4000:]
+    return job.output()
+
+
+def saved_position(run_dir: Path) -> list:
+    try:
+        return json.loads((run_dir / 'run.json').read_text()).get('saved_position') or [0, 0]
+    except (OSError, ValueError):  # not written yet
+        return [0, 0]
+
+
+def when_saved(job: Job, run_dir: Path, at_least: list, act):
+    """act() once run.json records a checkpoint at or past at_least = [epoch, step]."""
+    deadline = time.monotonic() + DEADLINE_S
+    while saved_position(run_dir) < at_least:
+        assert job.proc.poll() is None, f'the job ended before {at_least}:\n{job.output()[-4000:]}'
+        assert time.monotonic() < deadline, f'no checkpoint at {at_least} within {DEADLINE_S} s'
+        time.sleep(0.1)
+    act()
+
+
+def stopped(job: Job, run_dir: Path, at_least: list) -> str:
+    """SIGTERM to torchrun once the run is past at_least; it must stop with a resumable checkpoint."""
+    when_saved(job, run_dir, at_least, lambda: os.kill(job.proc.pid, signal.SIGTERM))
+    job.wait(DEADLINE_S)
+    assert 'resumable checkpoint written to' in job.output(), job.output()[-4000:]
+    return job.output()
+
+
+def resumed_at(output: str) -> list:
+    return [(int(e), int(s)) for e, s in re.findall(r'resuming epoch (\d+) at step (\d+) of 5 from', output)]
+
+
+def final_state(run_dir: Path) -> dict:
+    """Every tensor of the last epoch's full checkpoint (--save-period 1: not stripped, unlike last.pt)."""
+    ckpt = torch.load(run_dir / 'weights' / f'epoch{EPOCHS - 1}.pt', map_location='cpu', weights_only=False)
+    tensors = {f'{key}.{name}': t for key in ('model', 'ema') for name, t in ckpt[key].state_dict().items()}
+    for index, state in ckpt['optimizer']['state'].items():
+        tensors.update({f'optimizer.{index}.{name}': t for name, t in state.items() if torch.is_tensor(t)})
+    return {'tensors': tensors, 'updates': ckpt['updates']}
+
+
+def differences(a: dict, b: dict) -> list:
+    assert a['tensors'].keys() == b['tensors'].keys() and a['updates'] == b['updates'] > 0
+    return [name for name, t in a['tensors'].items() if not torch.equal(t, b['tensors'][name])]
+
+
+@pytest.fixture(scope='module')
+def reference(patched_tree, data, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp('reference')
+    finished(launch(patched_tree, workdir, 'reference', 2, args(data, workdir / 'runs')))
+    return final_state(workdir / 'runs' / 'exp')
+
+
+def test_a_run_stopped_three_times_mid_epoch_ends_bit_identical(patched_tree, data, reference, tmp_path):
+    project, resumes = tmp_path / 'runs', []
+    run_dir = project / 'exp'
+    job = launch(patched_tree, tmp_path, 'start', 2, args(data, project, '--save-on-signal', '--checkpoint-steps', 1))
+    stopped(job, run_dir, [0, 1])
+    for n, at_least in enumerate(([0, 4], [1, 2], None)):
+        resume = ['--resume', run_dir / 'weights' / 'last.pt', '--checkpoint-steps', 1]
+        job = launch(patched_tree, tmp_path, f'resume{n}', 2, resume)
+        output = stopped(job, run_dir, at_least) if at_least else finished(job)
+        resumes += resumed_at(output)
+    assert len(resumes) == 3 and any(0 < step < 5 for _, step in resumes), resumes  # inside an epoch
+    assert differences(final_state(run_dir), reference) == []
+
+
+def test_a_sigkilled_rank_restarts_from_its_periodic_checkpoint_bit_identical_with_loader_workers(
+        patched_tree, data, reference, tmp_path):
+    """Also: 2 loader workers per rank draw the augmentations of none (each sample seeds itself)."""
+    project = tmp_path / 'runs'
+    job = launch(patched_tree, tmp_path, 'killed', 2, args(data, project, '--checkpoint-steps', 1, '--workers', 2),
+                 max_restarts=1)
+    when_saved(job, project / 'exp', [1, 1], lambda: os.kill(rank_pid(job, 1), signal.SIGKILL))
+    output = finished(job)
+    [(epoch, step)] = resumed_at(output)
+    assert (epoch, step) >= (1, 1) and 0 < step, output[-3000:]
+    assert differences(final_state(project / 'exp'), reference) == []
+
+
+def rank_pid(job: Job, rank: int) -> int:
+    """The training process of one rank of the job (a child of its torchrun agent)."""
+    for entry in Path('/proc').iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / 'stat').read_text().split(') ')[1].split()[1]) == job.proc.pid \
+                    and f'RANK={rank}'.encode() in (entry / 'environ').read_bytes().split(b'\0'):
+                return int(entry.name)
+        except (OSError, IndexError):
+            continue
+    raise AssertionError(f'no process of rank {rank} under torchrun {job.proc.pid}')
+
+
+def test_a_run_continues_on_3_processes_and_on_2_again_training_every_image_once_per_epoch(patched_tree, data,
+                                                                                           tmp_path):
+    """Global batch 12: 4 images a rank on 3 processes, 6 on 2; 40 = 3 x 12 + 4 images, no repeat on 2 or 3."""
+    project, records = tmp_path / 'runs', tmp_path / 'records'
+    records.mkdir()
+    run_dir, last = project / 'exp', project / 'exp' / 'weights' / 'last.pt'
+    common = dict(script=str(RECORDING), RECORD_DIR=records)
+    job = launch(patched_tree, tmp_path, 'two', 2, args(data, project, '--save-on-signal', '--checkpoint-steps', 1,
+                                                        batch=12), **common)
+    stopped(job, run_dir, [0, 1])
+    three = stopped(launch(patched_tree, tmp_path, 'three', 3, ['--resume', last], **common), run_dir, [1, 1])
+    two = finished(launch(patched_tree, tmp_path, 'two-again', 2, ['--resume', last], **common))
+    assert 'the run continues on 3 process(es) instead of 2: BatchNorm statistics now come from 4 images' in three
+    assert 'the run continues on 2 process(es) instead of 3' in two
+    for output in (three, two):
+        assert len(re.findall(r'resuming epoch \d+ at step \d+ of 4 from', output)) == 1, output[-3000:]
+    keys = [tuple(map(int, line.split())) for f in records.iterdir() for line in f.read_text().splitlines()]
+    assert {f.name.split('-')[0] for f in records.iterdir()} == {'rank0', 'rank1', 'rank2'}
+    for epoch in range(EPOCHS):
+        counts = Counter(index for e, index in keys if e == epoch)
+        assert sorted(counts) == list(range(IMAGES)) and set(counts.values()) == {1}, (epoch, counts)
