@@ -138,7 +138,7 @@ def test_resume_continues_in_the_same_folder_at_the_next_epoch(patched_tree, dat
                  patched_tree, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
-    assert f'at epoch {saved["epoch"] + 1} of {EPOCHS}' in output
+    assert f'resuming epoch {saved["epoch"] + 1} at step 0 of ' in output
     assert_completed_every_epoch(project, output)
 
 
@@ -222,7 +222,7 @@ def test_a_run_resumes_on_another_number_of_processes_with_its_own_options(patch
     resumed = start_job(torchrun_cmd(3, 'ddp_train_dual.py', '--resume', last), patched_tree, tmp_path, 'three')
     assert resumed.wait(300) == 0, resumed.output()[-4000:]
     output = resumed.output()
-    assert 'at epoch 1 of 2' in output and '3 process(es), batch 12 (4 per process)' in output, output[-4000:]
+    assert 'resuming epoch 1 at step ' in output and '3 process(es), batch 12 (4 per process)' in output, output[-4000:]
     assert output.count('BatchNorm statistics now come from 4 images per process, not 6') == 1, output[-4000:]
     assert 'generating demo dataset' not in output  # --resume without --data: the run's data
     assert not completed_run_problems(project, 2)

@@ -1,7 +1,7 @@
 """The samplers of ddp_train_dual.py in a real job: every training image once per epoch across ranks (the stream's
-unit tests are tests/test_stream.py), an order that changes every epoch and repeats with the seed, the label cache built by rank 0 alone, validation shards that are
-contiguous and unpadded. The DDP step, EMA synchronisation and distributed validation of every entry point, this
-one included, are in tests/test_tasks.py."""
+unit tests are tests/test_stream.py), an order that changes every epoch and repeats with the seed, the label cache
+built by rank 0 alone, validation shards that are contiguous and unpadded. The DDP step, EMA synchronisation and
+distributed validation of every entry point, this one included, are in tests/test_tasks.py."""
 from collections import Counter
 
 import pytest

@@ -240,4 +240,4 @@ def test_a_worker_killed_mid_epoch_is_resumed_by_torchrun(patched_tree, dataset,
 def test_a_run_stopped_by_sigterm_continues_with_resume(patched_tree, dataset, tmp_path):
     outcome = signal_scenario(patched_tree, dataset, tmp_path, epochs=2)
     assert not outcome.problems, outcome.describe()
-    assert 'at epoch 1 of 2' in outcome.jobs[1].output(), outcome.describe()
+    assert 'resuming epoch 1 at step ' in outcome.jobs[1].output(), outcome.describe()

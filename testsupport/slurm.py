@@ -279,7 +279,7 @@ ENDED_STATES = ('COMPLETED', 'FAILED', 'CANCELLED', 'TIMEOUT', 'NODE_FAIL', 'PRE
                 'BOOT_FAIL', 'DEADLINE')
 STOPPED = 'ddp_train_dual.py: stopped on SIGTERM; resumable checkpoint written to {last}'
 REQUEUEING = 'job {job}: training stopped on a signal (exit 1); requeueing it to continue'
-RESUMING = re.compile(r'Resuming training from (\S+) at epoch (\d+) of (\d+)')
+RESUMING = re.compile(r'resuming epoch (\d+) at step (\d+) of \d+ from (\S+)')
 
 
 def training_flags(data: Path, project: Path, epochs: int) -> list:
@@ -380,7 +380,7 @@ def completed_after_stops_problems(job: SlurmJob, fields: dict, epochs: int, sto
     problems += [f'"{line}" appears {output.count(line)} times, not {count}'
                  for line, count in expected.items() if output.count(line) != count]
     resumed = RESUMING.findall(output)
-    if [path for path, _, _ in resumed] != [str(last)] * stops:
+    if [path for _, _, path in resumed] != [str(last)] * stops:
         problems.append(f'resumed from {resumed}, expected {stops} resume(s) from {last}')
     for unexpected in ('KeyboardInterrupt', 'was requeued (SLURM_RESTART_COUNT', 'not requeued'):
         if unexpected in output:
