@@ -5,12 +5,15 @@ same run
   - loaded by 2 loader workers instead of none, with one rank SIGKILLed and both restarted by torchrun from the
     newest periodic checkpoint (--checkpoint-steps), at its step;
 and a run of global batch 12 stopped on 2 processes, continued on 3 and stopped again, then finished on 2, trains
-every image of each epoch exactly once (recorded per rank by testsupport/probes/recording_train.py).
+every image of each epoch exactly once (recorded per rank by testsupport/probes/recording_train.py). Every other
+entry point resumes a checkpoint taken inside an epoch to the weights of its uninterrupted run (one process).
 Bit-identity across world sizes is not claimed: the order of the sums of an all-reduce changes with it."""
 import json
 import os
 import re
+import shutil
 import signal
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -19,8 +22,9 @@ import pytest
 import torch
 
 from testsupport.faults import Job, start_job
-from testsupport.jobs import torchrun_cmd, train_args
+from testsupport.jobs import labels_of, task_cfg, torchrun_cmd, train_args
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
+from yolov9_ddp.tasks import TASKS
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures('upstream_importable'), pytest.mark.slow]
 EPOCHS, BATCH, IMAGES = 2, 8, 40  # 5 global batches an epoch
@@ -33,9 +37,10 @@ def data(tmp_path_factory):
     return ensure_demo_dataset(tmp_path_factory.mktemp('data') / 'same-run', DemoSpec(train=IMAGES, val=8, imgsz=64))
 
 
-def args(data, project, *extra, batch=BATCH, name='exp'):
-    return [*train_args(data, project, EPOCHS, batch, 64, '--noval', '--deterministic', '--save-period', 1, *extra),
-            '--name', name]
+def args(data, project, *extra, batch=BATCH, cfg=None):
+    models = {'cfg': cfg} if cfg else {}
+    return train_args(data, project, EPOCHS, batch, 64, '--noval', '--deterministic', '--save-period', 1, *extra,
+                      **models)
 
 
 def launch(tree, workdir, name, nproc, script_args, max_restarts=0, script='ddp_train_dual.py', **env) -> Job:
@@ -73,8 +78,8 @@ def stopped(job: Job, run_dir: Path, at_least: list) -> str:
     return job.output()
 
 
-def resumed_at(output: str) -> list:
-    return [(int(e), int(s)) for e, s in re.findall(r'resuming epoch (\d+) at step (\d+) of 5 from', output)]
+def resumed_at(output: str, steps=5) -> list:
+    return [(int(e), int(s)) for e, s in re.findall(rf'resuming epoch (\d+) at step (\d+) of {steps} from', output)]
 
 
 def final_state(run_dir: Path) -> dict:
@@ -158,3 +163,32 @@ def test_a_run_continues_on_3_processes_and_on_2_again_training_every_image_once
     for epoch in range(EPOCHS):
         counts = Counter(index for e, index in keys if e == epoch)
         assert sorted(counts) == list(range(IMAGES)) and set(counts.values()) == {1}, (epoch, counts)
+
+
+@pytest.mark.one_core
+@pytest.mark.parametrize('task', [name for name in TASKS if name != 'detect-dual'])
+def test_every_entry_point_resumes_a_checkpoint_inside_an_epoch_bit_identical(patched_tree, task_datasets, task,
+                                                                             tmp_path):
+    """The reference run writes a periodic checkpoint after every optimizer step; a copy of its run folder taken
+    inside its second epoch, without the epoch checkpoints, is resumed and must end with the reference's weights.
+    45 images, 6 steps an epoch: the dataset classes (masks too) and losses of each task."""
+    script, project, copy = TASKS[task].script, tmp_path / 'runs', tmp_path / 'copy'
+    run_dir = project / 'exp'
+    reference = start_job([sys.executable, script, *args(task_datasets[labels_of(task)], project, '--checkpoint-steps',
+                                                         1, cfg=task_cfg(task))], patched_tree, tmp_path, 'reference')
+    when_saved(reference, run_dir, [1, 1], lambda: snapshot(run_dir, copy))
+    finished(reference)
+    output = finished(start_job([sys.executable, script, '--resume', copy / 'weights' / 'last.pt'], patched_tree,
+                                tmp_path, 'resumed'))
+    [(epoch, step)] = resumed_at(output, steps=6)
+    assert epoch == 1 and 0 < step < 6, output[-3000:]
+    assert differences(final_state(copy), final_state(run_dir)) == []
+
+
+def snapshot(run_dir: Path, copy: Path):
+    """The run folder as it is now, last.pt first (a rename may replace it any moment: the copy reads the file it
+    opened), without the epoch checkpoints, which the resumed run must write itself."""
+    (copy / 'weights').mkdir(parents=True)
+    shutil.copy(run_dir / 'weights' / 'last.pt', copy / 'weights' / 'last.pt')
+    for name in ('opt.yaml', 'hyp.yaml', 'run.json'):
+        shutil.copy(run_dir / name, copy / name)
