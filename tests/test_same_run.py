@@ -6,7 +6,8 @@ same run
     newest periodic checkpoint (--checkpoint-steps), at its step;
 and a run of global batch 12 stopped on 2 processes, continued on 3 and stopped again, then finished on 2, trains
 every image of each epoch exactly once (recorded per rank by testsupport/probes/recording_train.py). Every other
-entry point resumes a checkpoint taken inside an epoch to the weights of its uninterrupted run (one process).
+entry point resumes a checkpoint taken inside an epoch to the weights of its uninterrupted run (one process), and
+a torchrun elastic job (--nnodes 1:2) that loses an agent goes on with the one left.
 Bit-identity across world sizes is not claimed: the order of the sums of an all-reduce changes with it."""
 import json
 import os
@@ -21,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from testsupport.faults import Job, start_job
-from testsupport.jobs import labels_of, task_cfg, torchrun_cmd, train_args
+from testsupport.faults import Job, completed_run_problems, node_cmd, start_job
+from testsupport.jobs import free_port, labels_of, task_cfg, torchrun_cmd, train_args
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 from yolov9_ddp.tasks import TASKS
 
@@ -123,23 +124,50 @@ def test_a_sigkilled_rank_restarts_from_its_periodic_checkpoint_bit_identical_wi
     project = tmp_path / 'runs'
     job = launch(patched_tree, tmp_path, 'killed', 2, args(data, project, '--checkpoint-steps', 1, '--workers', 2),
                  max_restarts=1)
-    when_saved(job, project / 'exp', [1, 1], lambda: os.kill(rank_pid(job, 1), signal.SIGKILL))
+    when_saved(job, project / 'exp', [1, 1], lambda: os.kill(workers_of(job, rank=1)[0], signal.SIGKILL))
     output = finished(job)
     [(epoch, step)] = resumed_at(output)
     assert (epoch, step) >= (1, 1) and 0 < step, output[-3000:]
     assert differences(final_state(project / 'exp'), reference) == []
 
 
-def rank_pid(job: Job, rank: int) -> int:
-    """The training process of one rank of the job (a child of its torchrun agent)."""
+def workers_of(job: Job, rank=None) -> list:
+    """The training processes of the job's torchrun agent (its children), or the one of that global rank."""
+    pids = []
     for entry in Path('/proc').iterdir():
         try:
-            if entry.name.isdigit() and int((entry / 'stat').read_text().split(') ')[1].split()[1]) == job.proc.pid \
-                    and f'RANK={rank}'.encode() in (entry / 'environ').read_bytes().split(b'\0'):
-                return int(entry.name)
-        except (OSError, IndexError):
+            parent = int((entry / 'stat').read_text().rsplit(') ', 1)[1].split()[1])
+            environ = (entry / 'environ').read_bytes().split(b'\0')
+        except (OSError, IndexError, ValueError):
             continue
-    raise AssertionError(f'no process of rank {rank} under torchrun {job.proc.pid}')
+        if parent == job.proc.pid and (rank is None or f'RANK={rank}'.encode() in environ):
+            pids.append(int(entry.name))
+    assert pids, f'no training process{"" if rank is None else f" of rank {rank}"} under torchrun {job.proc.pid}'
+    return pids
+
+
+def test_an_elastic_job_that_loses_an_agent_goes_on_with_the_one_left(patched_tree, data, tmp_path):
+    """torchrun --nnodes 1:2 with two agents of one process each; inside epoch 1 the second agent and its process
+    are SIGKILLed (a lost node). The first one's process fails in a collective, its agent forms the job again on
+    its own, and the run goes on from its newest periodic checkpoint, at its step, on 1 process, to the end."""
+    project, endpoint = tmp_path / 'runs', f'127.0.0.1:{free_port()}'
+    rendezvous = ['--max-restarts', 1, '--rdzv-conf',  # a lost agent is noticed within seconds, not torchrun's 30+
+                  'join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3']
+    script = ['ddp_train_dual.py', *args(data, project, '--checkpoint-steps', 1)]
+    agents = [start_job(node_cmd('1:2', endpoint, f'elastic-{endpoint}', *rendezvous, *script), patched_tree,
+                        tmp_path, f'agent{n}') for n in range(2)]
+    when_saved(agents[0], project / 'exp', [1, 1], lambda: lose(agents[1]))
+    output = finished(agents[0])
+    assert len(resumed_at(output)) == 1, output[-3000:]
+    assert 'the run continues on 1 process(es) instead of 2' in output, output[-3000:]
+    assert completed_run_problems(project, EPOCHS) == []
+
+
+def lose(agent: Job):
+    """A node lost: its training process and its agent SIGKILLed, the process first (else the agent stops it)."""
+    for pid in [*workers_of(agent), agent.proc.pid]:
+        os.kill(pid, signal.SIGKILL)
+    agent.proc.wait()
 
 
 def test_a_run_continues_on_3_processes_and_on_2_again_training_every_image_once_per_epoch(patched_tree, data,
