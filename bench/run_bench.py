@@ -23,6 +23,10 @@ CALL (bench/PLAN.md has the device calls; bench/results.py the targets):
   loop-lever   the kit | its GPU-only step | the GPU-only step with --levers LEVER [| the kit with it: --end-to-end],
                2048 images                                                         -> in_loop_vs_gpu_only_Ngpu,
                                                                                       lever LEVER (GPU-only step)
+  ckpt-minutes the kit | the kit with --checkpoint-minutes M (default 0.1), N GPUs, 2048 images, each run's periodic
+               checkpoints counted                          -> checkpoint_minutes_M_vs_none_Ngpu (and its in-loop
+                                                               twin); with M <= 1 it bounds
+                                                               checkpoint_minutes_1_vs_none_1gpu (bench/results.py)
   entry-points every kit entry point (ddp_train.py, ..., segment/ddp_train_dual.py) trains on N GPUs: a whole
                short run each, an upstream model of its kind on its task's demo data  -> entry_points (no target)
 
@@ -123,6 +127,7 @@ class Bench:
         self.record['targets'] = results.targets_from(self.record['pairs'], self.n)
         if self.n == 1:
             self.record['targets'].update(results.one_gpu_targets(self.record['pairs']))
+            self.record['target_notes'] = results.target_notes(self.record['pairs'])
         (self.out / 'results.json').write_text(json.dumps(self.record, indent=1) + '\n')
 
     def dataset(self, name: str) -> str:
@@ -204,14 +209,17 @@ class Bench:
 
     def train(self, name, cmd, tree, images, rows=2, memory_at_row=None) -> dict:
         """Run until results.csv has `rows` rows; img/s of the last epoch, the kit's in-loop figures, peak GPU
-        memory, and (memory_at_row) the node's memory for the image cache when that row lands."""
+        memory, (memory_at_row) the node's memory for the image cache when that row lands, and the checkpoints the
+        kit recorded in its run.json meanwhile (Checkpoints)."""
         csv_path = self.work / 'runs' / name / 'results.csv'
         csv_path.unlink(missing_ok=True)
         sampler = GpuMemory() if self.cuda else None
         started, stamps, cache = time.monotonic(), [], None
+        saved = Checkpoints(csv_path.parent)
         proc, log_path = self.launch(name, cmd, tree)
         try:
             while len(stamps) < rows:
+                saved.poll()
                 new = count_rows(csv_path) - len(stamps)
                 stamps += [time.monotonic()] * max(new, 0)
                 if memory_at_row and len(stamps) >= memory_at_row and cache is None:
@@ -224,6 +232,8 @@ class Bench:
                 if time.monotonic() - started > self.size['run_timeout_s']:
                     raise RunFailed(f'{name} timed out after {len(stamps)} epochs: {log_tail(log_path)}')
                 time.sleep(0.05)
+            if PERIODIC.search(' '.join(cmd)):  # a periodic write of the timed epoch may end after its row
+                saved.wait_for([rows, 0], proc, timeout=30)
         finally:
             stop(proc, self.cuda)
             peaks = sampler.stop() if sampler else None
@@ -239,6 +249,8 @@ class Bench:
             figures['peak_mem_mib'] = peaks
         if cache:
             figures['cache_memory'] = cache
+        if saved.seen:
+            figures['checkpoints'] = saved.counts(rows - 1, started, figures.get('epoch_s'), log_path)
         print(f'   {name}: {json.dumps({k: v for k, v in figures.items() if k != "command"})}', flush=True)
         return figures
 
@@ -334,6 +346,22 @@ class Bench:
             pairs[f'lever {lever}'] = ('kit', f'kit {lever}', lambda a, b: ratio(b, a, 'img_per_s'),
                                        f'kit img/s with --levers {lever} / with the defaults, N GPUs (second epoch)')
         self.rounds(runs, pairs)
+
+    def ckpt_minutes(self):
+        """Issue 23: the kit end to end without periodic checkpoints and with one every --checkpoint-minutes M,
+        alternated in one call (2048 images). train() counts each run's checkpoints from its run.json, those of the
+        timed (second) epoch apart: a ratio says what checkpoints cost only where some were written in that epoch."""
+        n, minutes = self.n, self.args.checkpoint_minutes
+        key, label = results.checkpoint_key(minutes, n), f'kit --checkpoint-minutes {minutes:g}'
+        self.rounds({'kit': self.end_to_end(self.kit, 'kit-c', 'lever'),
+                     label: self.end_to_end(self.kit, f'kit-c{minutes:g}', 'lever',
+                                            ['--checkpoint-minutes', f'{minutes:g}'])}, {
+            key: ('kit', label, lambda a, b: ratio(b, a, 'img_per_s'), results.checkpoint_what(minutes)),
+            f'{key} (in loop)': ('kit', label, lambda a, b: ratio(b, a, 'in_loop_img_per_s'),
+                                 "the same runs' in-loop img/s (their 'epoch 1' log lines): without the epoch's "
+                                 'end, where the synchronous save waits for a periodic write under way')})
+        self.record['pairs'][key]['note'] = results.checkpoint_note(minutes)
+        self.save()
 
     def scaling(self):
         data, n, images = self.dataset('short'), self.n, self.size['short'].train
@@ -483,7 +511,10 @@ class Bench:
 
 CALLS = {'per-gpu': Bench.per_gpu, 'scaling': Bench.scaling, 'step': Bench.step, 'val-cache': Bench.val_cache,
          'parity': Bench.parity, 'cache-speed': Bench.cache_speed, 'lever': Bench.lever,
-         'entry-points': Bench.entry_points, 'per-gpu-det': Bench.per_gpu_det, 'loop-lever': Bench.loop_lever}
+         'entry-points': Bench.entry_points, 'per-gpu-det': Bench.per_gpu_det, 'loop-lever': Bench.loop_lever,
+         'ckpt-minutes': Bench.ckpt_minutes}
+PERIODIC = re.compile(r'--checkpoint-(minutes|steps)\b')
+SKIPPED = re.compile(r'checkpoint at epoch \d+ step \d+ skipped')  # CheckpointWriter's line: a due one not written
 
 
 def ratio(numerator: dict, denominator: dict, figure: str) -> float:
@@ -523,6 +554,55 @@ class GpuMemory:
         self.proc.terminate()
         self.thread.join(timeout=2)
         return self.peaks
+
+
+class Checkpoints:
+    """The checkpoints a kit run records in run.json while it trains ('saved_position' [epoch, step], step 0 at an
+    epoch's end), each with when it was seen: polled every 50 ms, so writes seconds apart are each seen. The kit logs
+    nothing on a successful periodic write; run.json is updated once its file is in place."""
+
+    def __init__(self, folder: Path):
+        self.path, self.seen = Path(folder) / 'run.json', []  # [(time.monotonic(), [epoch, step])]
+        self.stamp = self.mtime()  # a file left by an earlier run of that name counts for nothing
+
+    def mtime(self):
+        try:
+            return self.path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return None
+
+    def poll(self):
+        stamp = self.mtime()
+        if stamp is None or stamp == self.stamp:
+            return
+        try:
+            where = json.loads(self.path.read_text()).get('saved_position')
+        except (OSError, ValueError):  # replaced while read: the next poll reads it
+            return
+        self.stamp = stamp
+        if where and (not self.seen or self.seen[-1][1] != where):
+            self.seen.append((time.monotonic(), where))
+
+    def wait_for(self, where: list, proc, timeout: float):
+        """Until the run records `where` (an epoch's end: every periodic write before it has ended), or exits."""
+        ends = time.monotonic() + timeout
+        while not any(w == where for _, w in self.seen) and proc.poll() is None and time.monotonic() < ends:
+            time.sleep(0.05)
+            self.poll()
+
+    def counts(self, timed_epoch: int, started: float, epoch_s, log_path: Path) -> dict:
+        """Periodic checkpoints written (step > 0), those of the timed epoch and how many a minute that is, when
+        each was seen (s since the run's start), epoch-end saves, and due ones skipped (the log's lines)."""
+        periodic = [(t, w) for t, w in self.seen if w[1] > 0]
+        timed = sum(1 for _, w in periodic if w[0] == timed_epoch)
+        counts = {'periodic': len(periodic), 'periodic_in_timed_epoch': timed,
+                  'periodic_at_s': [round(t - started, 1) for t, _ in periodic],
+                  'periodic_positions': [w for _, w in periodic],
+                  'epoch_end': sum(1 for _, w in self.seen if w[1] == 0),
+                  'skipped': len(SKIPPED.findall(log_path.read_text(errors='replace')))}
+        if epoch_s:
+            counts['per_minute_in_timed_epoch'] = round(timed * 60 / epoch_s, 2)
+        return counts
 
 
 def log_tail(path: Path) -> str:
@@ -580,6 +660,9 @@ def main():
     p.add_argument('--lever', default='channels_last=1', help="the 'lever' and 'loop-lever' calls' --levers")
     p.add_argument('--end-to-end', action='store_true', help="loop-lever: the kit with the lever too")
     p.add_argument('--kit-levers', default='', help="per-gpu-det: --levers for the kit's runs (both)")
+    p.add_argument('--checkpoint-minutes', type=float, default=0.1, metavar='M',
+                   help="ckpt-minutes: the kit's period; 0.1 (6 s) writes one or two in a timed epoch of 2048 images "
+                        '(about 14 s; a save at the epoch end restarts the clock, so 0.25 would write none there)')
     p.add_argument('--dataset', choices=('photo', 'demo'), default='photo',
                    help="photo: bench/photo_data.py's photographs (needs scikit-image); demo: the kit's flat shapes")
     p.add_argument('--work', default='/tmp/yolov9-ddp-bench', help='trees, datasets, runs, logs')
