@@ -211,9 +211,9 @@ def wrap(owner, name, make):
 
 def install():
     def train_epoch(original):
-        def wrapped(self, epoch):
+        def wrapped(self, epoch, *args):
             STATE['epoch'] = epoch
-            return original(self, epoch)
+            return original(self, epoch, *args)
         return wrapped
 
     def fit(original):
