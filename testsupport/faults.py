@@ -498,14 +498,19 @@ def signal_scenario(tree, data, workdir: Path, signum=signal.SIGTERM, save_on_si
     return Outcome(project, jobs, problems, epochs_redone(sum((j.events() for j in jobs), [])), watcher, detail)
 
 
+STALL_GRACE_S = 2  # torchrun's SIGTERM-to-SIGKILL grace in the stall scenario (testsupport/torchrun.py)
+
+
 def stall_scenario(tree, data, workdir: Path, max_restarts=0, ddp_timeout=10, epochs=FAULT_EPOCHS,
                    timeout=150) -> Outcome:
     """Rank 1 hangs before the EMA all_reduce of epoch 0. Rank 0 must give up after --ddp-timeout with one error
-    line naming the flag; the job fails (no restarts) or torchrun restarts it and the run completes."""
+    line naming the flag; the job fails (no restarts) or torchrun restarts it and the run completes. The hung rank
+    ignores SIGTERM, so torchrun always waits out its grace before the SIGKILL: STALL_GRACE_S, the launcher's
+    setting, not the kit's."""
     project = workdir / 'runs'
     fault = 'stall:rank=1:where=sync_ema:epoch=0'
     job = start_job(faulty_torchrun(2, fault_args(data, project, epochs, '--ddp-timeout', ddp_timeout), max_restarts),
-                    tree, workdir, 'job', fault)
+                    tree, workdir, 'job', fault, TORCH_ELASTIC_SHUTDOWN_TIMEOUT=STALL_GRACE_S)
     job.wait(timeout)
     output, events = job.output(), job.events()
     stalls = [e for e in events if e['kind'] == 'fired']
