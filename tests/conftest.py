@@ -16,7 +16,7 @@ from testsupport.cores import cores_for  # noqa: E402
 from testsupport.trees import (DEMO_SPEC, PATCHES, SERIES, TINY_CFG, copy_tree, describe, git_apply,
                                offline_environment, patch_files, pinned_upstream_root,
                                run_applier, snapshot)
-from testsupport.jobs import TASK_DATASETS, fitted_weights, labels_of  # noqa: E402
+from testsupport.jobs import TASK_DATASETS  # noqa: E402
 from yolov9_ddp.demo_data import ensure_demo_dataset  # noqa: E402
 
 
@@ -95,22 +95,6 @@ def task_datasets(run_folder) -> dict:
     with FileLock(run_folder / 'task-datasets.lock'):
         return {kind: ensure_demo_dataset(run_folder / 'task-datasets' / kind, spec, log=lambda msg: None)
                 for kind, spec in TASK_DATASETS.items()}
-
-
-@pytest.fixture(scope='session')
-def fitted(patched_tree, task_datasets, run_folder):
-    """fitted(task): the task's tiny model fitted to the validation images of its dataset (testsupport.jobs.
-    fitted_weights), once per run: weights that find something, so the loss has positives to normalise by and the
-    metrics are not all zero."""
-    def fit(task: str) -> Path:
-        weights = run_folder / 'fitted' / f'{task}.pt'
-        with FileLock(f'{weights}.lock'):
-            if not weights.exists():
-                weights.parent.mkdir(exist_ok=True)
-                part = fitted_weights(patched_tree, task, task_datasets[labels_of(task)], weights.with_suffix('.part'))
-                part.replace(weights)  # a fit killed half way is never taken for a whole one
-        return weights
-    return fit
 
 
 @pytest.fixture(scope='session')

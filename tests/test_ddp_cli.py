@@ -145,6 +145,7 @@ def by_option(actions):
 
 
 @pytest.mark.slow
+@pytest.mark.one_core  # one process at a time
 def test_every_upstream_flag_is_accepted_with_the_same_definition(parsers, task):
     upstream, ours = parsers['upstream'], by_option(parsers['ours'])
     assert len(upstream) > 35  # the parser object was captured, not an empty stand-in
@@ -176,6 +177,7 @@ def test_every_upstream_flag_parses_to_the_same_value(parsers, task):
 
 
 @pytest.mark.slow
+@pytest.mark.one_core  # one process at a time
 def test_help_documents_the_kit_flags(patched_tree):
     result = run([sys.executable, 'ddp_train_dual.py', '--help'], patched_tree, timeout=120,
                  env=job_env(COLUMNS='100'))

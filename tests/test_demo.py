@@ -10,7 +10,7 @@ import pytest
 from testsupport.jobs import run, torchrun_cmd
 from testsupport.trees import KIT
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 DEMO_EPOCHS = 10
 FLOOR_MAP50 = 0.1  # 10 epochs of the same schedule: 0.20 after 8 on this kit's CI kind of CPU, the full demo > 0.8
 
@@ -31,6 +31,15 @@ def final_map50(run_dir) -> float:
         return float(list(csv.DictReader(f, skipinitialspace=True))[-1]['metrics/mAP_0.5'])
 
 
+def test_the_demo_trains_ddp_train_dual_on_its_own_data_and_only_its_epochs_are_shortened():
+    flags = demo_training()
+    assert flags[0] == 'ddp_train_dual.py' and '--data' not in flags  # the embedded default, as the demo
+    short = shortened(flags, DEMO_EPOCHS)
+    at = flags.index('--epochs')
+    assert short[at + 1] == str(DEMO_EPOCHS) and short[:at + 1] + short[at + 2:] == flags[:at + 1] + flags[at + 2:]
+
+
+@pytest.mark.slow
 def test_a_shortened_demo_learns_and_draws_its_predictions(patched_tree, tmp_path):
     flags = demo_training()
     assert flags[0] == 'ddp_train_dual.py' and '--data' not in flags  # the embedded default, as the demo

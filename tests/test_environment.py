@@ -6,7 +6,8 @@
   for real; an old driver, an old torch and a missing OpenCV are pretended (testsupport/pretend/sitecustomize.py).
 - Rank 0's banner line, and one process without --device training on the CPU, saying why.
 - Smoke (`pytest -m smoke`, run by .ci/run in .venv-oldest too): apply and revert the series, a 2-process gloo
-  training, a resume after a killed worker and one with --resume after SIGTERM, and the environment messages.
+  training and the environment messages; tests/test_faults.py adds its killed worker mid-step (resumed by
+  torchrun) and its SIGTERM with --save-on-signal (continued with --resume).
 """
 import re
 import sys
@@ -18,7 +19,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from testsupport.faults import KILL_FAULTS, error_lines, kill_scenario, signal_scenario
+from testsupport.faults import error_lines
 from testsupport.jobs import job_env, run, torchrun_cmd, train_args
 from testsupport.trees import KIT, copy_tree, describe, run_applier, snapshot
 from yolov9_ddp import environment
@@ -193,6 +194,9 @@ def test_one_process_without_device_trains_on_the_cpu_and_says_why(patched_tree,
 
 
 # -- smoke: what .ci/run also proves on the oldest versions ------------------------------------------------------------
+# With these, tests/test_faults.py's killed worker mid-step and SIGTERM with --save-on-signal (the same 2-epoch jobs
+# that were repeated here) are marked smoke: a worker killed mid-epoch resumed by torchrun, a run stopped by SIGTERM
+# continued with --resume.
 
 @pytest.fixture(scope='module')
 def dataset(tmp_path_factory):
@@ -223,21 +227,3 @@ def test_two_gloo_processes_train_two_epochs_and_rank_0_prints_the_banner(patche
     (banner,) = banner_lines(output)
     cuda = f'CUDA {torch.version.cuda}' if torch.version.cuda else 'no CUDA'
     assert f': torch {torch.__version__} ({cuda}), devices cpu (--device cpu), backend gloo, world size 2' in banner
-
-
-@pytest.mark.smoke
-@pytest.mark.slow
-@pytest.mark.usefixtures('upstream_importable')
-def test_a_worker_killed_mid_epoch_is_resumed_by_torchrun(patched_tree, dataset, tmp_path):
-    outcome = kill_scenario(patched_tree, dataset, tmp_path, KILL_FAULTS['mid-step'], epochs=2)
-    assert not outcome.problems, outcome.describe()
-    assert outcome.redone == [1], outcome.describe()
-
-
-@pytest.mark.smoke
-@pytest.mark.slow
-@pytest.mark.usefixtures('upstream_importable')
-def test_a_run_stopped_by_sigterm_continues_with_resume(patched_tree, dataset, tmp_path):
-    outcome = signal_scenario(patched_tree, dataset, tmp_path, epochs=2)
-    assert not outcome.problems, outcome.describe()
-    assert 'resuming epoch 1 at step ' in outcome.jobs[1].output(), outcome.describe()

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from testsupport.faults import (FAULT_EPOCHS, KILL_FAULTS, RAISE_FAULTS, STOP_DEADLINE_S, WORKER_KILL_FAULTS, WORKERS,
-                                completed_run_problems, failure_scenario, fallback_scenario, fault_args,
+                                completed_run_problems, epochs_redone, failure_scenario, fallback_scenario, fault_args,
                                 faulty_torchrun, interrupted_run, kill_scenario, lost_checkpoints_scenario, node_cmd,
                                 one_error_line_problems, random_kill_scenario, refused_checkpoint_scenario,
                                 run_folders, signal_scenario, slow_filesystem_resume_scenario, stall_scenario,
@@ -28,8 +28,12 @@ from testsupport.faults import (FAULT_EPOCHS, KILL_FAULTS, RAISE_FAULTS, STOP_DE
 from testsupport.jobs import PROBE, free_port, train_args
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures('upstream_importable')]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures('upstream_importable')]
 SPEC = DemoSpec(train=48, val=16, imgsz=64)  # 12 steps per epoch on each of 2 ranks at batch 4
+# A fault in epoch 1 of 2: the epoch before it is checkpointed, the faulted one is trained again and ends the run.
+# (FAULT_EPOCHS, 3, where the scenario needs a third epoch: two kills in a row, an interrupted run's
+# last.previous.pt.)
+EPOCHS = 2
 
 
 @pytest.fixture(scope='module')
@@ -37,45 +41,108 @@ def dataset(tmp_path_factory):
     return ensure_demo_dataset(tmp_path_factory.mktemp('faults') / 'demo', SPEC)
 
 
+def test_epochs_redone_counts_from_the_epoch_in_progress_to_the_next_start():
+    """The measure the kill and signal tests assert on (testsupport.faults.epochs_redone), on made-up records: a kill
+    in epoch 1 restarted at epoch 1 costs 1, a kill after epoch 1 was saved and restarted at 2 costs 0, a stop
+    (rank 0 exiting by a signal) never followed by a start costs None."""
+    def start(t, epoch):
+        return {'kind': 'start', 'rank': 0, 'time': t, 'start_epoch': epoch}
+    kill = {'kind': 'fired', 'rank': 1, 'fault': {'action': 'kill'}}
+    events = [start(0, 0), {**kill, 'time': 1, 'epoch': 1}, start(2, 1), {**kill, 'time': 3, 'epoch': 1},
+              start(4, 2), {'kind': 'fired', 'rank': 0, 'time': 5, 'epoch': 2, 'fault': {'action': 'mark'}},
+              {'kind': 'exit', 'rank': 0, 'time': 6, 'epoch': 2, 'status': 143}]
+    assert epochs_redone(events) == [1, 0, None]
+
+
 # -- 1. killed workers -------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize('where', ['mid-step', 'mid-validation', 'mid-checkpoint-write', 'between-checkpoint-renames',
-                                   'twice'])
-def test_a_killed_worker_costs_at_most_the_epoch_in_progress(patched_tree, dataset, tmp_path, where):
-    fault = KILL_FAULTS[where]
-    outcome = kill_scenario(patched_tree, dataset, tmp_path, fault)
+# The kills other than mid-step share one job (mid-step has its own, the smoke lane's): each strikes in the next attempt
+# (torchrun's restart) and the next epoch, so each costs what it costs alone: the epoch it struck in. 'twice': the first
+# kill, of rank 1 mid-step, and the second, of rank 0 in the restarted job.
+KILL_CHAIN = {
+    'twice': 'kill:rank=1:where=step:epoch=1:step=2',
+    'mid-validation': 'kill:rank=0:where=val:epoch=2',
+    'mid-checkpoint-write': 'kill:rank=0:where=save:epoch=3',
+    'between-checkpoint-renames': 'kill:rank=0:where=rename:epoch=4',
+    'while-stripping-at-the-end': 'kill:rank=0:where=strip',
+}
+CHAIN_EPOCHS = 5
+
+
+@pytest.fixture(scope='module')
+def kill_chain(patched_tree, dataset, tmp_path_factory):
+    """The outcome of one job killed as KILL_CHAIN says, one kill per attempt, in that order."""
+    fault = ';'.join(f'{item}:attempt={attempt}' for attempt, item in enumerate(KILL_CHAIN.values()))
+    return kill_scenario(patched_tree, dataset, tmp_path_factory.mktemp('kill-chain'), fault, epochs=CHAIN_EPOCHS,
+                         max_restarts=len(KILL_CHAIN), timeout=480)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('where', [pytest.param('mid-step', marks=pytest.mark.smoke), 'mid-validation',
+                                   'mid-checkpoint-write', 'between-checkpoint-renames', 'twice'])
+def test_a_killed_worker_costs_at_most_the_epoch_in_progress(patched_tree, dataset, tmp_path, request, where):
+    if where == 'mid-step':
+        fault, faults, epochs = KILL_FAULTS[where], [where], EPOCHS
+        outcome = kill_scenario(patched_tree, dataset, tmp_path, fault, epochs=epochs)
+    else:
+        fault, faults, epochs = KILL_CHAIN[where], list(KILL_CHAIN), CHAIN_EPOCHS
+        outcome = request.getfixturevalue('kill_chain')
     assert not outcome.problems, outcome.describe()
     kills = outcome.detail['kills']
-    assert len(kills) == fault.count('kill') and all(k['epoch'] < FAULT_EPOCHS for k in kills), outcome.describe()
-    assert len(outcome.redone) == len(kills) and all(r == 1 for r in outcome.redone), outcome.describe()
+    assert len(kills) == len(faults) and all(k['epoch'] < epochs for k in kills), outcome.describe()
+    at = faults.index(where)
+    fired = kills[at]
+    assert fired['attempt'] == at and f'rank={fired["rank"]}:where={fired["fault"]["where"]}' in fault, \
+        outcome.describe()
+    mine = [at, at + 1] if where == 'twice' else [at]  # twice: this kill and the next, of the other rank
+    assert len(outcome.redone) == len(kills) and all(outcome.redone[n] == 1 for n in mine), outcome.describe()
     assert len(outcome.watcher.loaded) >= 2, f'checkpoints seen while training: {outcome.watcher.loaded}'
+    if where == 'twice':
+        assert kills[at + 1]['attempt'] == 1 and kills[at + 1]['rank'] != fired['rank'], outcome.describe()
     if where == 'mid-checkpoint-write':  # the temporary file was really half written when rank 0 died
-        fired = kills[0]
         assert Path(fired['file']).name.startswith('.last.pt.') and fired['file'].endswith('.tmp')
         assert 0 < fired['written'] < fired['size']
     if where == 'between-checkpoint-renames':  # last.pt was missing: the restart took last.previous.pt
         assert 'last.previous.pt instead' in outcome.output, outcome.describe()
 
 
-def test_a_kill_while_the_final_checkpoint_is_stripped_leaves_a_loadable_last_pt(patched_tree, dataset, tmp_path):
-    """At the end rank 0 strips last.pt and best.pt; a kill then must not leave the run without a loadable last.pt."""
-    outcome = kill_scenario(patched_tree, dataset, tmp_path, KILL_FAULTS['while-stripping-at-the-end'])
-    assert outcome.detail['kills'], outcome.describe()
-    assert not outcome.problems, outcome.describe()
+@pytest.mark.slow
+def test_a_kill_while_the_final_checkpoint_is_stripped_leaves_a_loadable_last_pt(kill_chain):
+    """At the end rank 0 strips last.pt and best.pt; a kill then must not leave the run without a loadable last.pt
+    (the last kill of the chain: the completed run's checks of kill_scenario hold after it)."""
+    assert kill_chain.detail['kills'][-1]['fault']['where'] == 'strip', kill_chain.describe()
+    assert not kill_chain.problems, kill_chain.describe()
 
 
 # -- 1b. killed loader workers, a failure on one rank (issue 11: these used to hang the job) ----------------------------
 
+@pytest.fixture(scope='module')
+def worker_kill_chain(patched_tree, dataset, tmp_path_factory):
+    """The outcome of one job whose loader workers are killed as WORKER_KILL_FAULTS say, one kill per attempt, in that
+    order, each in the next epoch (the first in epoch 1), the final validation's last."""
+    chain = [f'{fault.replace(":epoch=1", f":epoch={attempt + 1}")}:attempt={attempt}'
+             for attempt, fault in enumerate(WORKER_KILL_FAULTS.values())]
+    return kill_scenario(patched_tree, dataset, tmp_path_factory.mktemp('worker-kill-chain'), ';'.join(chain),
+                         epochs=len(chain), max_restarts=len(chain), timeout=480, extra=WORKERS)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize('where', list(WORKER_KILL_FAULTS))
-def test_a_killed_loader_worker_restarts_the_job_which_completes(patched_tree, dataset, tmp_path, where):
+def test_a_killed_loader_worker_restarts_the_job_which_completes(worker_kill_chain, where):
     """The kernel's out-of-memory killer often picks a loader worker. The trainer learns of it wherever it is
-    (training, validation, writing a checkpoint, the final validation), fails, and torchrun restarts the job."""
-    outcome = kill_scenario(patched_tree, dataset, tmp_path, WORKER_KILL_FAULTS[where], extra=WORKERS)
-    assert not outcome.problems, outcome.describe()
+    (training, validation, writing a checkpoint, the final validation), fails, and torchrun restarts the job. The
+    five kills share one job (worker_kill_chain), each in an attempt of its own."""
+    outcome, at = worker_kill_chain, list(WORKER_KILL_FAULTS).index(where)
+    assert not outcome.problems and len(outcome.redone) == len(WORKER_KILL_FAULTS), outcome.describe()
+    fired = outcome.detail['kills'][at]
+    fault = WORKER_KILL_FAULTS[where]
+    assert fired['attempt'] == at and f'rank={fired["rank"]}:loader={fired["fault"]["loader"]}:where=' \
+        f'{fired["fault"]["where"]}' in fault, outcome.describe()
     if where != 'validation worker in the final validation':  # that one strikes after the last epoch is saved
-        assert len(outcome.redone) == 1 and outcome.redone[0] in (0, 1), outcome.describe()  # at most its epoch
+        assert outcome.redone[at] in (0, 1), outcome.describe()  # at most its epoch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('what', list(RAISE_FAULTS))
 def test_a_failure_on_one_rank_ends_the_job_promptly_with_its_cause(patched_tree, dataset, tmp_path, what):
     """Without restarts: one error line naming the cause, also in torchrun's summary, the job gone within the
@@ -85,13 +152,15 @@ def test_a_failure_on_one_rank_ends_the_job_promptly_with_its_cause(patched_tree
     assert not outcome.problems, outcome.describe()
 
 
+@pytest.mark.slow
 def test_an_exception_on_one_rank_is_survived_by_a_restart(patched_tree, dataset, tmp_path):
     fault, _ = RAISE_FAULTS['in the loss']
-    outcome = kill_scenario(patched_tree, dataset, tmp_path, fault, max_restarts=1, extra=WORKERS)
+    outcome = kill_scenario(patched_tree, dataset, tmp_path, fault, epochs=EPOCHS, max_restarts=1, extra=WORKERS)
     assert not outcome.problems, outcome.describe()
     assert outcome.redone == [1], outcome.describe()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('seed', [1, 2])
 def test_a_random_process_of_the_job_killed_at_a_random_moment(patched_tree, dataset, tmp_path, seed):
     outcome = random_kill_scenario(patched_tree, dataset, tmp_path, seed)
@@ -100,32 +169,37 @@ def test_a_random_process_of_the_job_killed_at_a_random_moment(patched_tree, dat
 
 # -- 2. SIGTERM and Ctrl-C ---------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
+@pytest.mark.smoke
 def test_sigterm_to_torchrun_with_save_on_signal_stops_cleanly_and_resumes(patched_tree, dataset, tmp_path):
-    outcome = signal_scenario(patched_tree, dataset, tmp_path, signal.SIGTERM, save_on_signal=True)
+    outcome = signal_scenario(patched_tree, dataset, tmp_path, signal.SIGTERM, save_on_signal=True, epochs=EPOCHS)
     assert not outcome.problems, outcome.describe()
     stopped, resumed = outcome.jobs
     assert stopped.returncode != 0 and outcome.detail['stop_seconds'] < STOP_DEADLINE_S
-    assert outcome.detail['saved_epoch'] == 0  # interrupted in epoch 1: its weights, to run epoch 1 again from
+    assert outcome.detail['saved_epoch'] == 0  # interrupted in epoch 1: the last complete epoch is 0
     last = outcome.project / 'exp' / 'weights' / 'last.pt'
     assert 'resuming epoch 1 at step ' in resumed.output() and f'from {last}' in resumed.output(), outcome.describe()
     assert outcome.redone == [1], outcome.describe()
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_without_save_on_signal_keeps_the_last_epoch(patched_tree, dataset, tmp_path):
-    outcome = signal_scenario(patched_tree, dataset, tmp_path, signal.SIGTERM, save_on_signal=False)
+    outcome = signal_scenario(patched_tree, dataset, tmp_path, signal.SIGTERM, save_on_signal=False, epochs=EPOCHS)
     assert not outcome.problems, outcome.describe()
     assert outcome.redone == [1], outcome.describe()
 
 
+@pytest.mark.slow
 def test_sigint_to_a_single_process_run_exits_130(patched_tree, dataset, tmp_path):
     outcome = signal_scenario(patched_tree, dataset, tmp_path, signal.SIGINT, save_on_signal=False, nproc=1,
-                              resume=False)
+                              epochs=EPOCHS, resume=False)
     assert not outcome.problems, outcome.describe()
     assert outcome.jobs[0].returncode == 130, outcome.describe()
 
 
 # -- 3. a stuck rank ---------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_stalled_rank_fails_the_job_within_the_ddp_timeout(patched_tree, dataset, tmp_path):
     outcome = stall_scenario(patched_tree, dataset, tmp_path, max_restarts=0, ddp_timeout=10)
     assert not outcome.problems, outcome.describe()
@@ -143,12 +217,14 @@ def interrupted(patched_tree, dataset, tmp_path_factory):
     return interrupted_run(patched_tree, dataset, tmp_path_factory.mktemp('interrupted'))
 
 
+@pytest.mark.slow
 def test_a_truncated_last_pt_falls_back_to_the_previous_checkpoint(patched_tree, dataset, interrupted, tmp_path):
     outcome = fallback_scenario(patched_tree, dataset, tmp_path, source=interrupted)
     assert not outcome.problems, outcome.describe()
     assert outcome.redone == [1], outcome.describe()  # one checkpoint interval lost with the damaged file
 
 
+@pytest.mark.slow
 def test_a_resume_reads_the_run_options_safely_on_a_slow_shared_filesystem(patched_tree, dataset, interrupted,
                                                                           tmp_path):
     """Rank 0 rewrites the run's opt.yaml when it sets up a resumed run. With a slow filesystem (the rewrite takes
@@ -158,21 +234,25 @@ def test_a_resume_reads_the_run_options_safely_on_a_slow_shared_filesystem(patch
     assert not outcome.problems, outcome.describe()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('how', ['truncated', 'garbage'])
 def test_an_unusable_last_pt_without_a_previous_is_refused(patched_tree, dataset, interrupted, tmp_path, how):
     outcome = refused_checkpoint_scenario(patched_tree, dataset, tmp_path, how, source=interrupted)
     assert not outcome.problems, outcome.describe()
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_refused(patched_tree, dataset, interrupted, tmp_path):
     outcome = refused_checkpoint_scenario(patched_tree, dataset, tmp_path, 'another-model', source=interrupted,
                                           keep_previous=True)
     assert not outcome.problems, outcome.describe()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('via', ['auto-resume', 'torchrun-restart'])
 def test_lost_checkpoints_are_an_error_never_a_silent_restart(patched_tree, dataset, interrupted, tmp_path, via):
-    outcome = lost_checkpoints_scenario(patched_tree, dataset, tmp_path, via, source=interrupted)
+    epochs = EPOCHS if via == 'torchrun-restart' else FAULT_EPOCHS  # auto-resume: the interrupted run's
+    outcome = lost_checkpoints_scenario(patched_tree, dataset, tmp_path, via, source=interrupted, epochs=epochs)
     assert not outcome.problems, outcome.describe()
 
 
@@ -189,6 +269,7 @@ def copy_dataset(data_yaml: Path, dest: Path, labels=True) -> Path:
     return dest / 'data.yaml'
 
 
+@pytest.mark.slow
 def test_corrupt_images_and_empty_labels_are_skipped_on_every_rank(patched_tree, dataset, tmp_path):
     data = copy_dataset(dataset, tmp_path / 'hostile')
     noise = random.Random(5)
@@ -216,6 +297,7 @@ def test_corrupt_images_and_empty_labels_are_skipped_on_every_rank(patched_tree,
     assert not completed_run_problems(project, 2), completed_run_problems(project, 2)
 
 
+@pytest.mark.slow
 def test_a_missing_label_folder_stops_every_rank_promptly(patched_tree, dataset, tmp_path):
     data = copy_dataset(dataset, tmp_path / 'unlabelled', labels=False)
     job = start_job(faulty_torchrun(2, fault_args(data, tmp_path / 'runs', 2, '--ddp-timeout', 60)), patched_tree,
@@ -243,6 +325,7 @@ def two_nodes(tree, workdir: Path, name: str, *args, **env):
     return output
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine_share_one_label_cache(patched_tree, tmp_path):
     data = ensure_demo_dataset(tmp_path / 'shared', DemoSpec(train=32, val=16, imgsz=64))  # no label cache yet
     caches = [data.parent / 'labels' / 'train.cache', data.parent / 'labels' / 'val.cache']

@@ -90,6 +90,7 @@ def test_a_repeated_sigterm_is_one_stop_request_and_a_second_sigint_interrupts()
 
 
 @pytest.mark.slow
+@pytest.mark.one_core  # one process at a time
 def test_a_requeued_job_whose_command_cannot_continue_its_run_is_warned(patched_tree, demo_data, offline_env,
                                                                          tmp_path):
     env = {**offline_env, 'SLURM_JOB_ID': '41', 'SLURM_RESTART_COUNT': '1'}

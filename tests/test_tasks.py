@@ -10,19 +10,20 @@ first three claims hold for ddp_train_dual.py too, and one job of 1, 2 (and 3) p
     does upstream's val script run with distributed=True (patch 0009)
   - a killed rank: torchrun restarts, the run resumes from its atomic checkpoint and completes
   - SIGTERM: every rank stops after the same step, a resumable last.pt, --resume completes
+    (one job per task serves both: the kill in epoch 1, SIGTERM in epoch 2 of the restarted job)
   - a model of another task is refused in one line naming the entry point that trains it
   - segmentation: every image drawn once per epoch; training survives a rank whose batch has no masks
 """
 import math
 import signal
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from testsupport.faults import completed_run_problems, kill_scenario, signal_scenario
-from testsupport.jobs import (TASK_DATASETS, labels_of, run, run_probe, save_model_state, task_cfg, torchrun_cmd,
-                              train_args)
+from testsupport.faults import completed_run_problems, signal_scenario
+from testsupport.jobs import TASK_DATASETS, job_env, labels_of, run, run_probe, task_cfg, torchrun_cmd, train_args
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 from yolov9_ddp.stream import repeats_per_epoch
 from yolov9_ddp.tasks import TASKS
@@ -50,21 +51,27 @@ def upstream_val_batch(task: str) -> int:
 
 
 @pytest.fixture(scope='module')
-def probed(patched_tree, task_datasets, fitted, tmp_path_factory):
+def probed(patched_tree, task_datasets, tmp_path_factory):
     """probed(task, nproc): what each rank of one job of the task's tiny model observed (testsupport/probes/
     probe.py), with 8 images per process: validation of fitted weights by the kit and by upstream's own script
-    (patch 0009), steps from them on fixed batches, and (2 processes) two epochs of EMA and BatchNorm sync."""
-    jobs = {}
+    (patch 0009), steps from them on fixed batches, and (2 processes) two epochs of EMA and BatchNorm sync, and
+    (segment) the images each rank draws in two epochs. The job of 1 process first fits the weights (probe.py's
+    fit: the task's tiny model fitted to the validation images, so that the loss has positives to normalise by
+    and the metrics are not all zero), which the task's other jobs then read."""
+    jobs, fitted = {}, {}
 
     def run_job(task, nproc):
         if (task, nproc) not in jobs:
+            if nproc > 1:
+                run_job(task, 1)  # it fits the weights
             folder = tmp_path_factory.mktemp(f'{task}-x{nproc}')
-            init = save_model_state(patched_tree, fitted(task), folder / 'init.pt')
+            fitted.setdefault(task, folder / 'fitted.pt')
             steps = {name: {'indices': STEP_INDICES[name], 'micro': micro[nproc]} for name, micro in STEP_MICRO.items()
                      if nproc in micro}
-            config = {'weights': str(fitted(task)), 'init': str(init), 'steps': steps,
+            config = {'weights': str(fitted[task]), 'cfg': str(task_cfg(task)), 'steps': steps, 'epochs': 2,
                       'upstream_val_batch': upstream_val_batch(task)}
-            modes = {1: 'val,upstream_val,steps', 2: 'val,upstream_val,steps,ema', 3: 'val,upstream_val'}[nproc]
+            modes = {1: 'fit,val,upstream_val,steps', 2: 'val,upstream_val,steps,ema', 3: 'val,upstream_val'}[nproc]
+            modes += ',sampler' if (task, nproc) == ('segment', 2) else ''
             args = train_args(task_datasets[labels_of(task)], folder / 'runs', 2, 8 * nproc, 64, '--noval',
                               cfg=task_cfg(task))
             jobs[task, nproc] = probe(patched_tree, task, nproc, modes, folder / 'out.json', args, config)
@@ -72,9 +79,15 @@ def probed(patched_tree, task_datasets, fitted, tmp_path_factory):
     return run_job
 
 
+def params_after(rank: dict, name: str) -> dict:
+    """{parameter: float64 tensor} after the step `name` of the rank (probe.py's steps write them to a file)."""
+    import torch
+    return torch.load(rank['steps'][name]['params'], weights_only=True)[name]
+
+
 def assert_same_params(a: dict, b: dict, atol=1e-6):
     assert a.keys() == b.keys()
-    worst = max(float(np.max(np.abs(np.array(a[k]) - np.array(b[k])))) for k in a)
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert worst <= atol, f'parameters differ by up to {worst}'
 
 
@@ -89,9 +102,9 @@ def test_the_ddp_step_equals_one_process_on_the_same_global_batch(probed, task):
     [single], ddp = probed(task, 1), probed(task, 2)
     assert single['steps']['halves']['moved'] > 0  # a real step was taken
     for name in STEP_INDICES:
-        zero, one = (rank['steps'][name] for rank in ddp)
-        assert_same_params(zero['params'], one['params'], atol=0)
-        assert_same_params(single['steps'][name]['params'], zero['params'])
+        zero, one = (params_after(rank, name) for rank in ddp)
+        assert_same_params(zero, one, atol=0)
+        assert_same_params(params_after(single, name), zero)
     # accumulation: after a no_sync micro-step each rank holds only its own gradients; the stepping one reduced
     quarters = [rank['steps']['quarters']['grads_after_first_micro_step'] for rank in ddp]
     assert quarters[0] != quarters[1]
@@ -143,21 +156,36 @@ def test_distributed_validation_equals_one_process_and_upstream(probed, task, np
 
 # -- faults, signals, resume -------------------------------------------------------------------------------------------
 
-@pytest.mark.slow
-@pytest.mark.parametrize('task', NEW_TASKS)
-def test_a_killed_rank_is_restarted_and_the_run_completes(patched_tree, task_datasets, tmp_path, task):
-    outcome = kill_scenario(patched_tree, task_datasets[labels_of(task)], tmp_path,
-                            'kill:rank=1:where=step:epoch=1:step=3', task=task)
-    assert not outcome.problems, outcome.describe()
-    assert outcome.redone == [1], outcome.describe()
+@pytest.fixture(scope='module')
+def killed_then_stopped(patched_tree, task_datasets, tmp_path_factory):
+    """killed_then_stopped(task): one job of the task for both proofs (testsupport.faults.signal_scenario with a
+    kill): rank 1 SIGKILLed mid-epoch 1, torchrun's restart continuing the run, SIGTERM mid-epoch 2, --resume."""
+    outcomes = {}
+
+    def scenario(task):
+        if task not in outcomes:
+            outcomes[task] = signal_scenario(patched_tree, task_datasets[labels_of(task)],
+                                             tmp_path_factory.mktemp(f'faults-{task}'), signal.SIGTERM, epochs=3,
+                                             task=task, kill='kill:rank=1:where=step:epoch=1:step=3')
+        return outcomes[task]
+    return scenario
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize('task', NEW_TASKS)
-def test_sigterm_stops_every_rank_with_a_resumable_checkpoint(patched_tree, task_datasets, tmp_path, task):
-    outcome = signal_scenario(patched_tree, task_datasets[labels_of(task)], tmp_path, signal.SIGTERM, task=task)
+def test_a_killed_rank_is_restarted_and_the_run_completes(killed_then_stopped, task):
+    outcome = killed_then_stopped(task)
+    assert not outcome.problems, outcome.describe()  # the kill fired, torchrun restarted, the run completed
+    assert outcome.redone[0] == 1, outcome.describe()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('task', NEW_TASKS)
+def test_sigterm_stops_every_rank_with_a_resumable_checkpoint(killed_then_stopped, task):
+    outcome = killed_then_stopped(task)
     assert not outcome.problems, outcome.describe()
-    assert outcome.detail['saved_epoch'] == 0 and outcome.redone == [1], outcome.describe()
+    assert outcome.detail['saved_epoch'] == outcome.detail['signalled_epoch'] - 1, outcome.describe()
+    assert outcome.redone == [1, 1], outcome.describe()
 
 
 # -- clear errors ------------------------------------------------------------------------------------------------------
@@ -166,12 +194,31 @@ WRONG_MODELS = {'detect': 'detect-dual', 'detect-triple': 'detect', 'segment': '
                 'segment-dual': 'detect-dual', 'detect-dual': 'segment'}
 
 
+@pytest.fixture(scope='module')
+def refusals(patched_tree, task_datasets, tmp_path_factory) -> dict:
+    """{task: the CompletedProcess of its entry point given the model of WRONG_MODELS[task]}: the five processes
+    run side by side (each one process, which only imports and parses: most of its time is Python's imports)."""
+    procs = {}
+    for task, wrong in WRONG_MODELS.items():
+        args = train_args(task_datasets[labels_of(task)], tmp_path_factory.mktemp(f'refused-{task}') / 'runs', 1, 4,
+                          64, cfg=task_cfg(wrong))
+        procs[task] = subprocess.Popen([sys.executable, TASKS[task].script, *map(str, args)], cwd=patched_tree,
+                                       env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        outputs = {task: proc.communicate(timeout=300) for task, proc in procs.items()}
+        return {task: subprocess.CompletedProcess(procs[task].args, procs[task].returncode, *outputs[task])
+                for task in procs}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('task', list(TASKS))
-def test_a_model_of_another_task_is_refused_before_the_data_is_read(patched_tree, task_datasets, tmp_path, task):
-    other = TASKS[WRONG_MODELS[task]]
-    args = train_args(task_datasets[labels_of(task)], tmp_path / 'runs', 1, 4, 64, cfg=task_cfg(other.name))
-    result = run([sys.executable, TASKS[task].script, *map(str, args)], patched_tree, timeout=300)
+def test_a_model_of_another_task_is_refused_before_the_data_is_read(refusals, task):
+    other, result = TASKS[WRONG_MODELS[task]], refusals[task]
     errors = [line for line in result.stderr.splitlines() if ': error' in line]
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
     assert errors[0].startswith(f'{TASKS[task].script}: error: ') and f'train it with {other.script}' in errors[0]
@@ -181,10 +228,8 @@ def test_a_model_of_another_task_is_refused_before_the_data_is_read(patched_tree
 # -- segmentation ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_segmentation_draws_every_training_image_once_per_epoch(patched_tree, task_datasets, tmp_path):
-    args = train_args(task_datasets['polygons'], tmp_path / 'runs', 2, 4, 64, cfg=task_cfg('segment'))
-    ranks = [rank['sampler'] for rank in probe(patched_tree, 'segment', 2, 'sampler', tmp_path / 'sampler.json', args,
-                                               {'epochs': 2})]
+def test_segmentation_draws_every_training_image_once_per_epoch(probed):
+    ranks = [rank['sampler'] for rank in probed('segment', 2)]  # the 2-process job of the task
     files = ranks[0]['files']
     for epoch in range(2):
         drawn = [p for rank in ranks for p in rank['epochs'][epoch]]

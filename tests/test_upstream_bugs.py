@@ -54,6 +54,7 @@ print(json.dumps(seen))
 
 
 @pytest.mark.slow
+@pytest.mark.one_core  # one process at a time
 @pytest.mark.parametrize('fixed', [False, True], ids=['without-0011', 'patched'])
 def test_0011_val_triple_validates_every_image(fixed, tree_without, patched_tree, demo_data, offline_env, tmp_path):
     tree = patched_tree if fixed else tree_without(11)
@@ -116,6 +117,13 @@ LOSSES['panoptic'] = ('utils.panoptic.loss_tal', MODELS / 'tiny-panoptic.yaml')
 MASK_TASKS = ('segment', 'segment-dual', 'panoptic')
 
 
+def test_every_upstream_loss_is_probed_and_exists_in_the_pinned_tree(pinned_upstream):
+    assert set(MASK_TASKS) <= set(LOSSES) and set(TASKS) <= set(LOSSES)
+    for module, cfg in LOSSES.values():
+        assert (pinned_upstream / (module.replace('.', '/') + '.py')).is_file(), module
+        assert cfg.is_file(), cfg
+
+
 def loss_args(task, cfg=None) -> list:
     """The arguments of LOSS_AND_GRADIENTS for a task: its name, its loss module, a model config."""
     module, tiny = LOSSES[task]
@@ -123,6 +131,7 @@ def loss_args(task, cfg=None) -> list:
 
 
 @pytest.mark.slow
+@pytest.mark.one_core  # one process at a time
 @pytest.mark.parametrize('task', MASK_TASKS)
 def test_0012_every_parameter_gets_a_gradient_on_a_batch_without_targets(task, tree_without, patched_tree,
                                                                            offline_env):
@@ -156,6 +165,7 @@ def test_0012_segmentation_trains_under_ddp_when_a_rank_has_no_targets(task, sta
 
 
 @pytest.mark.slow
+@pytest.mark.one_core  # one process at a time
 @pytest.mark.parametrize('task', [task for task in LOSSES if task not in MASK_TASKS])
 def test_detection_losses_give_every_parameter_a_gradient_without_targets(task, patched_tree, offline_env):
     # Their box outputs are split from the tensor that holds the class scores, which always take part in the loss.
@@ -169,12 +179,14 @@ def test_detection_losses_give_every_parameter_a_gradient_without_targets(task, 
 # loss with the error of the report; the kit's segmentation entry points refuse such a model up front instead.
 
 @pytest.mark.slow
+@pytest.mark.one_core  # one process at a time
 def test_segment_train_loss_takes_the_dsegment_head_of_gelan_c_dseg(patched_tree, offline_env):
     observed = probe(patched_tree, LOSS_AND_GRADIENTS, offline_env, loss_args('segment', MODELS / 'tiny-dseg.yaml'))
     assert observed['with_targets']['no_grad'] == [] and observed['with_targets']['loss'] > 0
 
 
 @pytest.mark.slow
+@pytest.mark.one_core  # one process at a time
 def test_yolov9_627_a_dual_segmentation_model_in_segment_train_fails_in_its_loss(patched_tree, offline_env):
     result = run_python(LOSS_AND_GRADIENTS, patched_tree, offline_env,
                         args=loss_args('segment', MODELS / 'tiny-seg-dual.yaml'))

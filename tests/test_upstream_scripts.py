@@ -23,7 +23,7 @@ from testsupport.faults import results_epochs
 from testsupport.trees import MODELS, describe, offline_environment, run_python
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
-pytestmark = [pytest.mark.slow, pytest.mark.one_core, pytest.mark.timeout(1200)]
+pytestmark = pytest.mark.timeout(1200)
 
 RUN_TIMEOUT_S = 600
 TRAIN_IMAGES, VAL_IMAGES, IMGSZ = 16, 8, 64
@@ -141,7 +141,17 @@ def trained(patched_tree, datasets, env, tmp_path_factory):
     return train
 
 
+def test_every_script_and_model_of_the_tasks_exists(pinned_upstream):
+    for task in TASKS.values():
+        for script in (task.train, task.val, task.predict):
+            assert (pinned_upstream / script).is_file(), script
+        assert (MODELS / task.cfg).is_file(), task.cfg
+    assert (pinned_upstream / HYP).is_file()
+
+
 @pytest.mark.parametrize('name', TASKS)
+@pytest.mark.slow
+@pytest.mark.one_core
 def test_train_fine_tune_resume_validate_and_predict_offline(name, patched_tree, datasets, trained, env, tmp_path):
     task, run = TASKS[name], trained(name)
     data, project = datasets(task.labels), tmp_path / 'runs'
@@ -167,6 +177,8 @@ def detector(trained) -> Path:
     return trained('detect') / 'weights' / 'best.pt'
 
 
+@pytest.mark.slow
+@pytest.mark.one_core
 def test_export_to_torchscript_and_detect_with_it(patched_tree, detector, datasets, env, tmp_path):
     run_script(patched_tree, env, 'export.py', '--weights', detector, '--include', 'torchscript', '--imgsz', IMGSZ,
                '--device', 'cpu')
@@ -188,6 +200,8 @@ print(type(model).__name__, len(results.pred))
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.one_core
 def test_hubconf_loads_a_local_checkpoint(patched_tree, detector, env):
     result = run_python(HUB_CUSTOM, patched_tree, env, args=[detector])
     assert result.returncode == 0 and result.stdout.split()[-2:] == ['AutoShape', '2'], describe(result)

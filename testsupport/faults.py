@@ -417,29 +417,51 @@ def lingering(marker: str, grace=5.0) -> list:
 
 
 def signal_scenario(tree, data, workdir: Path, signum=signal.SIGTERM, save_on_signal=True, nproc=2,
-                    epochs=FAULT_EPOCHS, resume=True, task=DUAL) -> Outcome:
+                    epochs=FAULT_EPOCHS, resume=True, task=DUAL, kill='') -> Outcome:
     """A job (torchrun with nproc > 1, else one process) with one loader worker per rank gets signum mid-epoch 1,
     sent to the launcher only: it must be gone within STOP_DEADLINE_S with exit status 128 + signum on every rank,
     the process group destroyed, no process left, one 'stopped on' line, and a resumable last.pt
-    (--save-on-signal) or the last epoch's untouched; then `--resume last.pt` must complete the run."""
+    (--save-on-signal) or the last epoch's untouched; then `--resume last.pt` must complete the run.
+
+    kill: a kill fault (faulty_train.py) of the job's first attempt in epoch 1, as kill_scenario's: torchrun
+    (--max-restarts 1) must restart the job, which continues its run (every checkpoint seen on the way loadable,
+    only the killed epoch trained twice), and the signal comes mid-epoch 2 of the restarted job instead (one job
+    for both proofs; detail['signalled_epoch'] says which)."""
     from yolov9_ddp import checkpoint
     from yolov9_ddp.tasks import TASKS
     project = workdir / 'runs'
     last = project / 'exp' / 'weights' / 'last.pt'
     extra = [*WORKERS] + (['--save-on-signal'] if save_on_signal else [])
     args = fault_args(data, project, epochs, *extra, task=task)
-    job = start_job(launch_cmd(nproc, FAULTY, *args), tree, workdir, 'stopped', MARK_SLOW, FAULT_TASK=task)
-    wait_for_path(job.records / 'mark-mark', job)
-    before = weights_snapshot(project / 'exp')
-    signalled = time.monotonic()
-    os.kill(job.proc.pid, signum)
-    job.wait(STOP_DEADLINE_S)
-    detail = {'stop_seconds': round(time.monotonic() - signalled, 1), 'leftovers': lingering(job.marker)}
+    watcher = CheckpointWatcher(project / 'exp') if kill else None
+    if kill:
+        fault = f'{kill}:attempt=0;{MARK_SLOW.replace(":epoch=1", ":epoch=2")}:attempt=1'
+        watcher.__enter__()
+        job = start_job(faulty_torchrun(nproc, args, 1), tree, workdir, 'stopped', fault, FAULT_TASK=task)
+    else:
+        job = start_job(launch_cmd(nproc, FAULTY, *args), tree, workdir, 'stopped', MARK_SLOW, FAULT_TASK=task)
+    try:
+        wait_for_path(job.records / 'mark-mark', job)
+        before = weights_snapshot(project / 'exp')
+        signalled = time.monotonic()
+        os.kill(job.proc.pid, signum)
+        job.wait(STOP_DEADLINE_S)
+    finally:
+        if watcher:
+            watcher.__exit__()
+    detail = {'stop_seconds': round(time.monotonic() - signalled, 1), 'leftovers': lingering(job.marker),
+              'signalled_epoch': 2 if kill else 1}
     output, name = job.output(), signal.Signals(signum).name
     problems = [] if job.returncode else ['exit status 0: the signal did not stop the job']
     if detail['leftovers']:
         problems.append(f'processes of the job still running: {detail["leftovers"]}')
-    exits = job.events('exit')
+    if kill:
+        kills = [e for e in job.events('fired') if e['fault']['action'] in DISRUPTIVE]
+        if len(kills) != 1 or 'torchrun restart 1: continuing' not in output:
+            problems.append(f'{len(kills)} kills fired; the job was {"" if kills else "not "}restarted: expected 1 '
+                            f'and a "torchrun restart 1: continuing" line')
+        problems += watcher.problems
+    exits = [e for e in job.events('exit') if e['attempt'] == (1 if kill else 0)]
     detail['exits'] = [(e['rank'], e['status'], e['destroyed']) for e in exits]
     if sorted(detail['exits']) != [(rank, 128 + signum, nproc > 1) for rank in range(nproc)]:
         problems.append(f'(rank, exit status, process group destroyed) of the workers: {detail["exits"]}; expected '
@@ -470,17 +492,25 @@ def signal_scenario(tree, data, workdir: Path, signum=signal.SIGTERM, save_on_si
         if resumed.wait(300):
             problems.append(f'the resumed run exited with {resumed.returncode}')
         problems += completed_run_problems(project, epochs, task)
-    return Outcome(project, jobs, problems, epochs_redone(sum((j.events() for j in jobs), [])), None, detail)
+        rows = results_epochs(project / 'exp')
+        if kill and not {e for e in rows if rows.count(e) > 1} <= {1, 2}:
+            problems.append(f'results.csv rows {rows}: epochs repeated beyond those of the kill and the signal')
+    return Outcome(project, jobs, problems, epochs_redone(sum((j.events() for j in jobs), [])), watcher, detail)
+
+
+STALL_GRACE_S = 2  # torchrun's SIGTERM-to-SIGKILL grace in the stall scenario (testsupport/torchrun.py)
 
 
 def stall_scenario(tree, data, workdir: Path, max_restarts=0, ddp_timeout=10, epochs=FAULT_EPOCHS,
                    timeout=150) -> Outcome:
     """Rank 1 hangs before the EMA all_reduce of epoch 0. Rank 0 must give up after --ddp-timeout with one error
-    line naming the flag; the job fails (no restarts) or torchrun restarts it and the run completes."""
+    line naming the flag; the job fails (no restarts) or torchrun restarts it and the run completes. The hung rank
+    ignores SIGTERM, so torchrun always waits out its grace before the SIGKILL: STALL_GRACE_S, the launcher's
+    setting, not the kit's."""
     project = workdir / 'runs'
     fault = 'stall:rank=1:where=sync_ema:epoch=0'
     job = start_job(faulty_torchrun(2, fault_args(data, project, epochs, '--ddp-timeout', ddp_timeout), max_restarts),
-                    tree, workdir, 'job', fault)
+                    tree, workdir, 'job', fault, TORCH_ELASTIC_SHUTDOWN_TIMEOUT=STALL_GRACE_S)
     job.wait(timeout)
     output, events = job.output(), job.events()
     stalls = [e for e in events if e['kind'] == 'fired']

@@ -13,7 +13,6 @@ from yolov9_ddp.demo_data import DemoSpec
 
 TORCHRUN = Path(__file__).resolve().parent / 'torchrun.py'  # torchrun with the grace period set below
 PROBE = Path(__file__).resolve().parent / 'probes' / 'probe.py'
-DISTRIBUTED_VAL = Path(__file__).resolve().parent / 'probes' / 'distributed_val.py'
 
 
 def free_port() -> int:
@@ -78,21 +77,3 @@ def run_probe(tree, nproc, modes: str, out: Path, args, config=None, timeout=300
     report = json.loads(out.read_text())
     assert report['world'] == len(report['ranks']) == nproc
     return report['ranks']
-
-
-def save_model_state(tree, weights: Path, dest: Path) -> Path:
-    """The float state dict of a checkpoint's model, saved to dest (read in the tree: it pickles upstream's
-    classes), for probes that start every process from the same weights."""
-    code = ('import sys, torch; sys.path.insert(0, "."); '
-            'torch.save(torch.load(sys.argv[1], weights_only=False)["model"].float().state_dict(), sys.argv[2])')
-    subprocess.run([sys.executable, '-c', code, str(weights), str(dest)], cwd=tree, check=True, capture_output=True)
-    return dest
-
-
-def fitted_weights(tree, task: str, data_yaml: Path, out: Path) -> Path:
-    """The task's tiny model fitted to the validation images of data_yaml (distributed_val.py: 150 Adam steps),
-    saved to out: weights that find something there on any machine, so that the loss has positives to normalise by
-    and the metrics are not all zero. (A short training run found nothing on some CPUs: its mAP stayed 0.)"""
-    result = run([sys.executable, DISTRIBUTED_VAL, task, task_cfg(task), data_yaml, out], tree)
-    assert result.returncode == 0, f'fitting {task} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}'
-    return out

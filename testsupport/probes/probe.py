@@ -54,22 +54,38 @@ def probe_sampler(trainer):
             'padding_bound': trainer.world - 1}
 
 
+def probe_fit(trainer):
+    """The task's tiny model fitted to the validation images of the job's data (distributed_val.fit: weights that
+    find something there on any machine), saved to CONFIG['weights'] for the probes that follow and for the task's
+    other jobs: the reference job of one process fits, in the process that it starts anyway."""
+    import distributed_val
+    weights = Path(CONFIG['weights'])
+    part = weights.with_suffix('.part')
+    distributed_val.fit(TASK.name, CONFIG['cfg'], trainer.opt.data, part)
+    part.replace(weights)  # a fit killed half way is never taken for a whole one
+    return {'weights': str(weights)}
+
+
 def probe_steps(trainer):
-    """Optimizer steps on fixed global batches, each from the same fixed weights, with BatchNorm statistics frozen.
+    """Optimizer steps on fixed global batches, each from the same fixed weights (CONFIG['weights']), with
+    BatchNorm statistics frozen.
 
     CONFIG['steps'] = {name: {'indices': [...], 'micro': M}}: the global batch is those indices of the validation
     dataset (letterboxed, not augmented: the same images and labels, masks too, on every rank), cut into M
     micro-batches, contiguous runs of them per rank; each rank accumulates its share, so one process with M
     micro-batches and W processes with M/W each take the same optimizer step. BatchNorm layers run in eval mode:
     in train mode a layer normalises with the statistics of the rank's own images, which no real DDP run (without
-    SyncBatchNorm) shares either. The trainer's own state is restored afterwards, for the probes that follow.
+    SyncBatchNorm) shares either. The trainer's own state is restored afterwards, for the probes that follow. The
+    parameters after each step go to OUT.params-rankR.pt ({name: {parameter: float64 tensor}}), named in the report.
     """
     kept = trainer.accumulate, trainer.last_opt_step, trainer.warmup_iters
-    init = torch.load(CONFIG['init'], weights_only=True)
+    init = torch.load(CONFIG['weights'], map_location='cpu', weights_only=False)['model'].float().state_dict()
     observed = {name: one_step(trainer, init, step['indices'], step['micro']) for name, step in CONFIG['steps'].items()}
     trainer.accumulate, trainer.last_opt_step, trainer.warmup_iters = kept
     trainer.optimizer.state.clear()
-    return observed
+    params = OUT.with_name(f'{OUT.stem}.params-rank{trainer.rank}.pt')  # a binary file: JSON took seconds a job
+    torch.save({name: step.pop('params') for name, step in observed.items()}, params)
+    return {name: {**step, 'params': str(params)} for name, step in observed.items()}
 
 
 def one_step(trainer, init: dict, indices: list, micro: int) -> dict:
@@ -95,7 +111,7 @@ def one_step(trainer, init: dict, indices: list, micro: int) -> dict:
             grads_after_first = [p.grad.detach().double().sum().item() for p in model.parameters()
                                  if p.grad is not None][:8]
     params = {k: v.detach().cpu().double() for k, v in model.state_dict().items() if v.dtype.is_floating_point}
-    return {'params': {k: v.flatten().tolist() for k, v in params.items()},
+    return {'params': params,
             'moved': max(float((v - init[k].double()).abs().max()) for k, v in params.items()),
             'grads_after_first_micro_step': grads_after_first}
 
@@ -178,7 +194,7 @@ def probe_ramcache(trainer):
     return observed
 
 
-PROBES = {'sampler': probe_sampler, 'steps': probe_steps, 'ema': probe_ema, 'val': probe_val,
+PROBES = {'fit': probe_fit, 'sampler': probe_sampler, 'steps': probe_steps, 'ema': probe_ema, 'val': probe_val,
           'upstream_val': probe_upstream_val, 'ramcache': probe_ramcache}
 BUILDS = []  # (rank, cache path) of every label-cache build in this process
 DECODES = []  # indices of the images this process decoded (upstream's load_image of an image not cached)
@@ -205,8 +221,11 @@ def count_decodes():
     LoadImagesAndLabels.load_image = counting
 
 
+OUT = Path(sys.argv[2]) if len(sys.argv) > 2 else None  # the report; files beside it hold what JSON holds badly
+
+
 def main():
-    modes, out, argv = sys.argv[1].split(','), Path(sys.argv[2]), sys.argv[3:]
+    modes, out, argv = sys.argv[1].split(','), OUT, sys.argv[3:]
     if CONFIG.get('start_method'):  # how the loaders start their workers (Python 3.14 defaults to forkserver)
         torch.multiprocessing.set_start_method(CONFIG['start_method'], force=True)
     count_cache_builds()
