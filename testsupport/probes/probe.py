@@ -179,7 +179,7 @@ def probe_ramcache(trainer):
     rank has loaded a batch) which of the job's processes map the shared cache and what it costs the node."""
     decoded = len(DECODES)
     loaders = {'train': trainer.train_loader, 'val': trainer.val_loader}
-    datasets = {name: loader.dataset for name, loader in loaders.items()}
+    datasets = {'train': trainer.dataset, 'val': trainer.val_loader.dataset}  # the training loader's wraps it
     observed = {'decodes': decoded, 'pid': os.getpid(),
                 'images': {name: type(d.ims).__name__ for name, d in datasets.items()},
                 'digests': {name: imagecache.images_digest(d.ims, d.im_hw0, d.im_hw) for name, d in datasets.items()}}
