@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import time
 from collections import Counter
@@ -154,13 +155,28 @@ def test_an_elastic_job_that_loses_an_agent_goes_on_with_the_one_left(patched_tr
     rendezvous = ['--max-restarts', 1, '--rdzv-conf',  # a lost agent is noticed within seconds, not torchrun's 30+
                   'join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3']
     script = ['ddp_train_dual.py', *args(data, project, '--checkpoint-steps', 1)]
-    agents = [start_job(node_cmd('1:2', endpoint, f'elastic-{endpoint}', *rendezvous, *script), patched_tree,
-                        tmp_path, f'agent{n}') for n in range(2)]
+    agents = []
+    for n in range(2):  # the first agent hosts the rendezvous store; the one lost must not be it
+        agents.append(start_job(node_cmd('1:2', endpoint, f'elastic-{endpoint}', *rendezvous, *script),
+                                patched_tree, tmp_path, f'agent{n}'))
+        wait_for_store(endpoint, agents[0])
     when_saved(agents[0], project / 'exp', [1, 1], lambda: lose(agents[1]))
     output = finished(agents[0])
     assert len(resumed_at(output)) == 1, output[-3000:]
     assert 'the run continues on 1 process(es) instead of 2' in output, output[-3000:]
     assert completed_run_problems(project, EPOCHS) == []
+
+
+def wait_for_store(endpoint: str, host: Job):
+    host_name, port = endpoint.rsplit(':', 1)
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        try:
+            socket.create_connection((host_name, int(port)), 1).close()
+            return
+        except OSError:
+            assert host.proc.poll() is None and time.monotonic() < deadline, host.output()[-3000:]
+            time.sleep(0.1)
 
 
 def lose(agent: Job):

@@ -233,7 +233,8 @@ def test_segmentation_draws_every_training_image_once_per_epoch(probed):
     files = ranks[0]['files']
     for epoch in range(2):
         drawn = [p for rank in ranks for p in rank['epochs'][epoch]]
-        assert set(drawn) == set(files) and len(drawn) - len(files) == repeats_per_epoch(len(files), 4, 2)
+        assert set(drawn) == set(files)
+        assert len(drawn) - len(files) == repeats_per_epoch(len(files), 16, 2)  # the job's global batch: 8 x 2
 
 
 @pytest.mark.slow
