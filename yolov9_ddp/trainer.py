@@ -434,13 +434,13 @@ class Trainer:
         where every rank learnt of them: all ranks at the same step."""
         signum, timed = self.stop.agreed(ni, self.primary and self.checkpoint_time_passed())
         self.pending_signal = self.pending_signal or signum
+        self.checkpoint_pending |= timed
         if self.last_opt_step != ni:
-            self.checkpoint_pending |= timed
             return
         every = self.opt.checkpoint_steps
         if self.pending_signal:
             self.interrupt(epoch, i + 1, mloss)
-        if self.checkpoint_pending or timed or (every and self.ema.updates % every == 0):
+        if self.checkpoint_pending or (every and self.ema.updates % every == 0):
             self.save_periodic(self.position_at(epoch, i + 1, mloss))
 
     def checkpoint_time_passed(self) -> bool:
@@ -454,9 +454,12 @@ class Trainer:
         if not self.primary:
             return
         self.last_checkpoint_time = time.monotonic()
-        record = {'saved_epoch': where.epoch - 1, 'saved_position': [where.epoch, where.step]}
         self.writer.submit(self.host_checkpoint(where), self.last, f'checkpoint at epoch {where.epoch} step '
-                           f'{where.step}', then=lambda: runs.write_record(self.save_dir, **record))
+                           f'{where.step}', then=lambda: self.record_saved(where))
+
+    def record_saved(self, where: position.Position):
+        """run.json: a checkpoint of this position is in place (upstream's epoch: the last complete one)."""
+        runs.write_record(self.save_dir, saved_epoch=where.epoch - 1, saved_position=[where.epoch, where.step])
 
     def close(self):
         """On every way out: stop handling signals and end this rank's loader workers, which would otherwise
@@ -605,7 +608,7 @@ class Trainer:
         self.last_checkpoint_time = time.monotonic()
         ckpt = self.host_checkpoint(where)
         checkpoint.save_atomic(ckpt, self.last, keep_previous=True)
-        runs.write_record(self.save_dir, saved_epoch=epoch, saved_position=[where.epoch, where.step])
+        self.record_saved(where)
         if fitness_of is not None and self.best_fitness == fitness_of:
             checkpoint.save_atomic(ckpt, self.best)
         if fitness_of is not None and self.opt.save_period > 0 and epoch % self.opt.save_period == 0:
