@@ -50,8 +50,7 @@ def probe_sampler(trainer):
     for epoch in range(CONFIG.get('epochs', 3)):
         data.set_epoch(trainer.train_loader, epoch)
         epochs.append([p for batch in trainer.train_loader for p in batch[2]])
-    return {'epochs': epochs, 'cache_builds': BUILDS, 'files': list(trainer.dataset.im_files),
-            'padding_bound': trainer.world - 1}
+    return {'epochs': epochs, 'cache_builds': BUILDS, 'files': list(trainer.dataset.im_files)}
 
 
 def probe_fit(trainer):
