@@ -125,9 +125,3 @@ def pytest_runtest_protocol(item, nextitem):
     """A multi-process test has the machine to itself, its fixtures included (testsupport/cores.py)."""
     with cores_for(item):
         return (yield)
-
-
-def pytest_collection_modifyitems(items):
-    """One worker runs a module's tests (--dist loadgroup), so a module's fixtures (trainings, trees) are built once."""
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(item.nodeid.split('::')[0]))

@@ -337,7 +337,7 @@ def test_workflow_runs_weekly_and_on_demand_kit_files_only_and_never_names_the_p
     assert {'apply_patches.py', 'fetch_upstream.py'} <= set(files)
     assert [f for f in files if not (KIT / f).is_file()] == []
     assert '--check --json' in scripts and '--check --markdown' in scripts and 'GITHUB_STEP_SUMMARY' in scripts
-    assert 'python -m pytest -q -n 2 --dist loadgroup tests' in scripts and 'YOLOV9_UPSTREAM' in str(steps)
+    assert 'python -m pytest -q -n 2 --dist loadfile tests' in scripts and 'YOLOV9_UPSTREAM' in str(steps)
     assert any(step.get('with', {}).get('python-version') == '3.11' for step in steps.values())
     assert any(step.get('uses', '').startswith('actions/upload-artifact') for step in steps.values())
     assert 'patches/UPSTREAM' in text or 'read_pin' in text
