@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from testsupport.faults import ERROR_LINE
+from testsupport.faults import ERROR_LINE, FAULTY
 from testsupport.jobs import free_port, job_env, torchrun_cmd, train_args
 from yolov9_ddp import cli, comm
 from yolov9_ddp.tasks import TASKS
@@ -44,18 +44,20 @@ class Launch:
         return '\n'.join(text)
 
 
-def launch(tree, nproc, args, folder: Path) -> Launch:
-    """ddp_train_dual.py ARGS under torchrun (per-rank output files) for nproc > 1, else as one process."""
+def launch(tree, nproc, args, folder: Path, script='ddp_train_dual.py', fault='') -> Launch:
+    """ddp_train_dual.py ARGS under torchrun (per-rank output files) for nproc > 1, else as one process; with a
+    fault, the fault driver instead (testsupport/probes/faulty_train.py)."""
     args = [*map(str, args), '--ddp-timeout', str(DDP_TIMEOUT_S)]
     log_dir = folder / 'torchrun-logs'
+    script = FAULTY if fault else script
     if nproc > 1:
-        cmd = torchrun_cmd(nproc, 'ddp_train_dual.py', *args,
+        cmd = torchrun_cmd(nproc, script, *args,
                            launcher=('--nnodes', '1', '--log-dir', log_dir, '--redirects', '3'))
     else:
-        cmd = [sys.executable, 'ddp_train_dual.py', *args]
+        cmd = [sys.executable, script, *args]
     start = time.monotonic()
     try:
-        result = subprocess.run(list(map(str, cmd)), cwd=tree, env=job_env(), stdout=subprocess.PIPE,
+        result = subprocess.run(list(map(str, cmd)), cwd=tree, env=job_env(FAULT=fault), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, timeout=DEADLINE_S)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f'the launch did not end within {DEADLINE_S} s: {cmd}\n{(e.stdout or b"")[-3000:]}')
@@ -189,6 +191,15 @@ def test_evolve_is_refused(patched_tree, base, tmp_path, nproc):
     run = launch(patched_tree, nproc, base() + ['--evolve'], tmp_path)
     assert_clean_failure(run, nproc, '--evolve', 'train_dual.py')
     assert not (tmp_path / 'runs').exists()  # refused before anything was created
+
+
+@pytest.mark.slow
+def test_the_line_of_an_error_every_rank_sees_is_out_before_torchrun_stops_rank_0(patched_tree, base, tmp_path):
+    """Rank 0 alone prints an error every rank sees alike (here --evolve); the other ranks exit only once its line
+    is out, since torchrun stops every rank as soon as one exits. Here rank 0 takes 3 s to print it: a rank 1 that
+    exited at once would have had rank 0 stopped first, and the job would end without its line."""
+    run = launch(patched_tree, 2, base() + ['--evolve'], tmp_path, fault='slow:rank=0:where=report:sleep=3')
+    assert_clean_failure(run, 2, '--evolve', 'train_dual.py')
 
 
 @pytest.mark.slow

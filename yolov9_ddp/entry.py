@@ -27,14 +27,21 @@ KIT_ERRORS = (cli.UsageError, comm.LaunchError, checkpoint.CheckpointError, comm
 
 def report(script: str, error: BaseException):
     """One line per failure: from the rank that saw it (rank 0 for errors every rank sees the same way). Every rank
-    records its own line for torchrun's summary."""
+    records its own line for torchrun's summary, the reporter after printing it: a process that leaves the line
+    to its node's reporter exits only once the reporter has recorded it (failures.wait_for_the_node_reporter)."""
     rank = comm.launched_rank()
     where = f' [rank {rank}]' if comm.launched_world_size() > 1 else ''
-    failures.record_for_torchrun(f'{script}{where}: {error}')
-    if isinstance(error, comm.PeerFailed) or (isinstance(error, comm.Unanimous) and rank != 0) or \
+    recorded = f'{script}{where}: {error}'
+    if isinstance(error, comm.PeerFailed):  # the failed rank reports; it does so before its exit fails this one
+        failures.record_for_torchrun(recorded)
+        return
+    if (isinstance(error, comm.Unanimous) and rank != 0) or \
             (isinstance(error, comm.LaunchError) and comm.get_local_rank() != 0):  # a node's processes see it alike
+        failures.record_for_torchrun(recorded)
+        failures.wait_for_the_node_reporter()
         return
     print(f'{script}: error{where}: {error}', file=sys.stderr, flush=True)
+    failures.record_for_torchrun(recorded)
 
 
 def fail(script: str, error: Exception) -> int:

@@ -29,6 +29,7 @@ PEER_GONE = ('connection closed by peer', 'connection reset by peer')
 TIMED_OUT = ('timed out', 'timeout')
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal the kernel sends this process when its parent dies
 REAP_TIMEOUT_S = 10
+REPORTER_WAIT_S = 10  # how long a rank waits for its node's first process to have its one line out
 
 
 def die_with_parent(parent_pid: int):
@@ -75,8 +76,8 @@ def end_process(status: int):
     normal exit does before its teardown still happens, in its order: other threads are joined, the atexit handlers
     run (logging's flush, the end of the loader workers, multiprocessing's), the standard streams are flushed.
 
-    A failed rank exits normally: the teardown's half second is what lets rank 0 print the one line of an error
-    every rank saw alike before torchrun, seeing another rank gone, stops it (the others only record theirs)."""
+    A failed rank exits normally (for an error every rank saw alike, only once its node's reporter has its line
+    out: wait_for_the_node_reporter)."""
     if status != 0:
         sys.exit(status)
     for thread in threading.enumerate():
@@ -130,6 +131,22 @@ def where(error: BaseException) -> str:
         return 'no traceback'
     frame = frames[-1]
     return f'at {Path(frame.filename).name}:{frame.lineno} in {frame.name}'
+
+
+def wait_for_the_node_reporter(timeout_s: float = REPORTER_WAIT_S):
+    """Return once this node's first process (LOCAL_RANK 0) has recorded its error file, or after timeout_s.
+
+    For an error every process sees alike, one process prints the line and records its file after printing; the
+    others only record theirs. torchrun stops every process of the job as soon as one exits, so a silent process
+    that exited first would have the reporter stopped before its line is out: it waits for the reporter's file
+    (torchrun's layout: .../attempt_N/LOCAL_RANK/error.json). Without torchrun's files there is nothing to wait for."""
+    own, local_rank = os.environ.get('TORCHELASTIC_ERROR_FILE'), os.environ.get('LOCAL_RANK')
+    if not own or local_rank in (None, '0') or Path(own).parent.name != local_rank:
+        return
+    reporter = Path(own).parents[1] / '0' / Path(own).name
+    deadline = time.monotonic() + timeout_s
+    while not reporter.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def record_for_torchrun(message: str):

@@ -29,6 +29,7 @@ FAULT is a ';'-separated list of faults ACTION:key=value:...; each fires at most
            sync_ema  before the per-epoch all_reduce of the EMA (yolov9_ddp.ema.synchronize_ema)
            resume_options   before a resumed run reads the run's opt.yaml (restore_resumed_options)
            opt_yaml  rank 0 (re)writing the run's opt.yaml: after the file is truncated, before its text is written
+           report    a failed rank about to print (or leave to another rank) its one error line (entry.report)
   rank     global rank (default 0); attempt: torchrun's TORCHELASTIC_RESTART_COUNT (default 0);
   epoch    (default: any); step (default 0)
   wipe     1: first delete the run's weights/*.pt (checkpoints lost with a node's disk); where=step only
@@ -62,7 +63,7 @@ TASK = TASKS[os.environ.get('FAULT_TASK', 'detect-dual')]
 
 ACTIONS = ('kill', 'killworker', 'raise', 'stall', 'mark', 'slow')
 PLACES = ('step', 'loss', 'getitem', 'val', 'final_val', 'save', 'rename', 'strip', 'sync_ema', 'resume_options',
-          'opt_yaml')
+          'opt_yaml', 'report')
 INJECTED = 'injected fault'  # in the message of every exception a `raise` fault raises
 RANK = int(os.environ.get('RANK', 0))
 ATTEMPT = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0))
@@ -210,6 +211,12 @@ def wrap(owner, name, make):
 
 
 def install():
+    def report(original):
+        def wrapped(*args, **kwargs):
+            fire_all(due('report'))
+            return original(*args, **kwargs)
+        return wrapped
+
     def train_epoch(original):
         def wrapped(self, epoch, *args):
             STATE['epoch'] = epoch
@@ -333,6 +340,7 @@ def install():
     wrap(trainer, 'restore_resumed_options', restore_resumed_options)
     wrap(trainer, 'yaml_save', yaml_save)
     wrap(dist, 'destroy_process_group', destroy_process_group)
+    wrap(entry, 'report', report)
 
 
 def main() -> int:
