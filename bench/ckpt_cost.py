@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""What a periodic checkpoint (--checkpoint-steps/--checkpoint-minutes) costs the training thread, part by part, on
+the GPU-only step of bench/gpu_step.py (the kit's Trainer.train_step on a fixed batch, no loader).
+
+    python bench/ckpt_cost.py OUT.json [--pairs P] [--steps S] [--every K] ARGS      (cwd: the kit tree)
+
+ARGS are ddp_train_dual.py's. Rank 0's part of a checkpoint is host_checkpoint() (checkpoint.host_copy: the
+state pickled in memory with every tensor copied to the host) and a CheckpointWriter.submit() (torch.save in a
+background thread, which shares the interpreter with the training thread). The parts are timed alone (median of
+5): the pickling with the tensors left where they are, the copies to the host one tensor at a time (blocking),
+the same copies queued without blocking and waited for once, and torch.save of a host copy. Then P alternating
+pairs of S steps without and with a checkpoint every K steps: the cost per checkpoint is the difference of the
+two, over the checkpoints taken.
+"""
+import argparse
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path.cwd()
+sys.path.insert(0, str(ROOT))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.gpu_step import TASK, fixed_batch  # noqa: E402
+from yolov9_ddp import checkpoint, cli, comm, position  # noqa: E402
+
+
+def synchronize():
+    if torch.cuda.is_available():  # a dry run on CPUs has nothing to wait for
+        torch.cuda.synchronize()
+
+
+def timed(fn, repeats=5) -> float:
+    """Median seconds of fn(), the GPU idle before each call."""
+    times = []
+    for _ in range(repeats):
+        synchronize()
+        started = time.perf_counter()
+        fn()
+        synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+class Aside(checkpoint.TensorsAside):
+    """TensorsAside with the copy to the host replaced: `copy` None keeps each tensor where it is (the pickling
+    alone), else copy(tensor)."""
+
+    def __init__(self, file, copy):
+        super().__init__(file)
+        self.copy = copy
+
+    def persistent_id(self, obj):
+        if not isinstance(obj, torch.Tensor):
+            return None
+        if id(obj) not in self.index:
+            self.index[id(obj)] = len(self.tensors)
+            self.tensors.append(obj if self.copy is None else self.copy(obj))
+        return self.index[id(obj)]
+
+
+def pickled_aside(obj, copy=None):
+    pickler = Aside(io.BytesIO(), copy)
+    pickler.dump(obj)
+    return pickler.tensors
+
+
+def parts(trainer, where) -> dict:
+    state = trainer.checkpoint_of(where)
+    queued = lambda: (pickled_aside(state, lambda t: t.detach().to('cpu', copy=True, non_blocking=True)),  # noqa
+                      synchronize())
+    host = trainer.host_checkpoint(where)
+    sample = next(t for t in pickled_aside(state, lambda t: t.detach().to('cpu', non_blocking=True)) if t.numel())
+    with tempfile.TemporaryDirectory() as folder:
+        save_s = timed(lambda: torch.save(host, Path(folder) / 'last.pt'), 3)
+        size = (Path(folder) / 'last.pt').stat().st_size
+    return {'host_checkpoint_s': timed(lambda: trainer.host_checkpoint(where)),
+            'pickle_only_s': timed(lambda: pickled_aside(state)),
+            'pickle_and_blocking_copies_s': timed(lambda: pickled_aside(state, checkpoint.on_host)),
+            'pickle_and_queued_copies_s': timed(queued),
+            'queued_copy_lands_pinned': sample.is_pinned(),
+            'tensors': len(pickled_aside(state)), 'torch_save_s': save_s, 'file_mb': round(size / 2 ** 20, 1)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('out', type=Path)
+    p.add_argument('--pairs', type=int, default=3)
+    p.add_argument('--steps', type=int, default=60)
+    p.add_argument('--every', type=int, default=10)
+    args, train_args = p.parse_known_args()
+    opt = cli.parse_args(train_args, ROOT, TASK)
+    device = comm.select_device(opt.device)
+    from yolov9_ddp.trainer import plan_start, prepare_trainer
+    with comm.process_group(device):
+        trainer = prepare_trainer(TASK, opt, device, plan_start(opt))
+        images, targets = fixed_batch(trainer.dataset, 0, trainer.batch_size, opt.seed)
+        images, targets = images.to(device).float() / 255, targets.to(device)
+        trainer.model.train()
+        step = lambda i: trainer.train_step(trainer.nb + i, 1, images, targets)  # noqa: E731
+        for i in range(20):  # warm-up: cudnn's autotuning, the optimizer's momentum buffers
+            step(i)
+        where = position.Position(1, 5, trainer.nb + 19, int(trainer.accumulate), 0, len(trainer.dataset),
+                                  trainer.batch_size, None)
+        result = parts(trainer, where)
+        folder = Path(tempfile.mkdtemp())
+        writer = checkpoint.CheckpointWriter(print)
+
+        def run(with_checkpoints: bool) -> tuple:
+            synchronize()
+            started, taken = time.perf_counter(), 0
+            for i in range(args.steps):
+                step(i)
+                if with_checkpoints and (i + 1) % args.every == 0:
+                    taken += writer.submit(trainer.host_checkpoint(where), folder / 'last.pt', f'step {i}')
+            synchronize()
+            seconds = time.perf_counter() - started
+            writer.wait()
+            return seconds, taken
+
+        pairs = []
+        for _ in range(args.pairs):
+            plain, _ = run(False)
+            checkpointed, taken = run(True)
+            pairs.append({'plain_s': round(plain, 3), 'checkpointed_s': round(checkpointed, 3), 'checkpoints': taken,
+                          'cost_per_checkpoint_s': round((checkpointed - plain) / max(taken, 1), 3)})
+        result.update(pairs=pairs, steps=args.steps, every=args.every,
+                      step_s=round(statistics.median(p['plain_s'] for p in pairs) / args.steps, 4),
+                      median_cost_per_checkpoint_s=statistics.median(p['cost_per_checkpoint_s'] for p in pairs),
+                      gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')
+        args.out.write_text(json.dumps(result, indent=1))
+        print(json.dumps(result, indent=1))
+
+
+if __name__ == '__main__':
+    main()
