@@ -9,8 +9,10 @@ state pickled in memory with every tensor copied to the host) and a CheckpointWr
 background thread, which shares the interpreter with the training thread). The parts are timed alone (median of
 5): the pickling with the tensors left where they are, the copies to the host one tensor at a time (blocking),
 the same copies queued without blocking and waited for once, and torch.save of a host copy. Then P alternating
-pairs of S steps without and with a checkpoint every K steps: the cost per checkpoint is the difference of the
-two, over the checkpoints taken.
+rounds of S steps without a checkpoint, with one every K steps, and with one every K steps written through a
+Python file object (torch.save(obj, open(...)), as save_atomic wrote before 2026-12-02): the cost per checkpoint is
+the difference to the round without, over the checkpoints taken; one_a_minute_ratio is what that cost makes of a
+checkpoint a minute (60 / (60 + cost)).
 """
 import argparse
 import io
@@ -65,6 +67,12 @@ class Aside(checkpoint.TensorsAside):
         return self.index[id(obj)]
 
 
+def save_through_file_object(obj, path):
+    """torch.save as checkpoint.save_atomic called it before 2026-12-02: into an open Python file object."""
+    with open(path, 'wb') as f:
+        torch.save(obj, f)
+
+
 def pickled_aside(obj, copy=None):
     pickler = Aside(io.BytesIO(), copy)
     pickler.dump(obj)
@@ -73,16 +81,15 @@ def pickled_aside(obj, copy=None):
 
 def parts(trainer, where) -> dict:
     state = trainer.checkpoint_of(where)
-    queued = lambda: (pickled_aside(state, lambda t: t.detach().to('cpu', copy=True, non_blocking=True)),  # noqa
-                      synchronize())
+    queued = lambda: (pickled_aside(state, checkpoint.on_host), synchronize())  # noqa: E731
     host = trainer.host_checkpoint(where)
-    sample = next(t for t in pickled_aside(state, lambda t: t.detach().to('cpu', non_blocking=True)) if t.numel())
+    sample = next(t for t in pickled_aside(state, checkpoint.on_host) if t.numel())
     with tempfile.TemporaryDirectory() as folder:
         save_s = timed(lambda: torch.save(host, Path(folder) / 'last.pt'), 3)
         size = (Path(folder) / 'last.pt').stat().st_size
     return {'host_checkpoint_s': timed(lambda: trainer.host_checkpoint(where)),
             'pickle_only_s': timed(lambda: pickled_aside(state)),
-            'pickle_and_blocking_copies_s': timed(lambda: pickled_aside(state, checkpoint.on_host)),
+            'pickle_and_blocking_copies_s': timed(lambda: pickled_aside(state, lambda t: t.detach().to('cpu'))),
             'pickle_and_queued_copies_s': timed(queued),
             'queued_copy_lands_pinned': sample.is_pinned(),
             'tensors': len(pickled_aside(state)), 'torch_save_s': save_s, 'file_mb': round(size / 2 ** 20, 1)}
@@ -112,7 +119,8 @@ def main():
         folder = Path(tempfile.mkdtemp())
         writer = checkpoint.CheckpointWriter(print)
 
-        def run(with_checkpoints: bool) -> tuple:
+        def run(with_checkpoints: bool, save=torch.save) -> tuple:
+            checkpoint.torch.save = save
             synchronize()
             started, taken = time.perf_counter(), 0
             for i in range(args.steps):
@@ -122,17 +130,26 @@ def main():
             synchronize()
             seconds = time.perf_counter() - started
             writer.wait()
+            checkpoint.torch.save = torch.save
             return seconds, taken
 
         pairs = []
-        for _ in range(args.pairs):
+        for _ in range(args.pairs):  # without, with, with the file written through a Python file object
             plain, _ = run(False)
             checkpointed, taken = run(True)
+            through_file, taken_through_file = run(True, save_through_file_object)
             pairs.append({'plain_s': round(plain, 3), 'checkpointed_s': round(checkpointed, 3), 'checkpoints': taken,
-                          'cost_per_checkpoint_s': round((checkpointed - plain) / max(taken, 1), 3)})
+                          'cost_per_checkpoint_s': round((checkpointed - plain) / max(taken, 1), 3),
+                          'through_file_object_s': round(through_file, 3),
+                          'cost_per_checkpoint_through_file_object_s': round(
+                              (through_file - plain) / max(taken_through_file, 1), 3)})
+        cost = statistics.median(p['cost_per_checkpoint_s'] for p in pairs)
         result.update(pairs=pairs, steps=args.steps, every=args.every,
                       step_s=round(statistics.median(p['plain_s'] for p in pairs) / args.steps, 4),
-                      median_cost_per_checkpoint_s=statistics.median(p['cost_per_checkpoint_s'] for p in pairs),
+                      median_cost_per_checkpoint_s=cost,
+                      median_cost_per_checkpoint_through_file_object_s=statistics.median(
+                          p['cost_per_checkpoint_through_file_object_s'] for p in pairs),
+                      one_a_minute_ratio=round(60 / (60 + cost), 4),
                       gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')
         args.out.write_text(json.dumps(result, indent=1))
         print(json.dumps(result, indent=1))

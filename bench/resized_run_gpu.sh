@@ -18,7 +18,10 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
 run=$work/runs/resized
 last=$run/weights/last.pt
 started=$SECONDS
-torchrun() { setsid python3 -m torch.distributed.run --standalone "$@"; }
+launch() {  # launch LOG ARGS...: torchrun in the background, in a session of its own ($! is torchrun's pid)
+    local log=$1; shift
+    setsid python3 -m torch.distributed.run --standalone "$@" > "$OUT/$log" 2>&1 &
+}
 past() {  # past EPOCH STEP: run.json records a checkpoint at or past (EPOCH, STEP)
     python3 -c "import json, sys; p = json.load(open('$run/run.json')).get('saved_position') or [0, 0]
 sys.exit(0 if p >= [$1, $2] else 1)" 2>/dev/null
@@ -28,16 +31,16 @@ stop_when_past() {  # stop_when_past EPOCH STEP PID: SIGTERM the job once a chec
     kill -TERM "$3"; wait "$3"; echo "exit $? (SIGTERM once a checkpoint was at or past epoch $1 step $2)"
 }
 echo "--- start: 1 process on the GPU"
-torchrun --nproc_per_node 1 ddp_train_dual.py --data "$work/photos/data.yaml" --cfg models/detect/yolov9-s.yaml \
-    --hyp data/hyps/hyp.scratch-high.yaml --epochs 3 --batch-size 16 --imgsz 320 --workers 4 --save-on-signal \
-    --checkpoint-steps 5 --noplots --project "$work/runs" --name resized > "$OUT/gpu-1.log" 2>&1 &
+launch gpu-1.log --nproc_per_node 1 ddp_train_dual.py --data "$work/photos/data.yaml" \
+    --cfg models/detect/yolov9-s.yaml --hyp data/hyps/hyp.scratch-high.yaml --epochs 3 --batch-size 16 --imgsz 320 \
+    --workers 4 --save-on-signal --checkpoint-steps 5 --noplots --project "$work/runs" --name resized
 stop_when_past 1 5 $!
 echo "--- resumed on 2 CPU processes"
-torchrun --nproc_per_node 2 ddp_train_dual.py --resume "$last" --device cpu --workers 2 --checkpoint-steps 5 > "$OUT/cpu-2.log" 2>&1 &
+launch cpu-2.log --nproc_per_node 2 ddp_train_dual.py --resume "$last" --device cpu --workers 2 --checkpoint-steps 5
 stop_when_past 2 5 $!
 echo "--- resumed on 1 process on the GPU"
-torchrun --nproc_per_node 1 ddp_train_dual.py --resume "$last" --device 0 > "$OUT/gpu-1-again.log" 2>&1
-echo "exit $?"
+launch gpu-1-again.log --nproc_per_node 1 ddp_train_dual.py --resume "$last" --device 0
+wait $!; echo "exit $?"
 grep -a -h -E 'resuming epoch|BatchNorm|stopped on SIGTERM|epochs completed|Final:|error' \
     "$OUT/gpu-1.log" "$OUT/cpu-2.log" "$OUT/gpu-1-again.log"
 echo "results.csv rows: $(($(wc -l < "$run/results.csv") - 1))"

@@ -40,17 +40,18 @@ def save_atomic(obj, path: Path, keep_previous=False):
     path = Path(path)
     tmp = temporary_path(path)
     try:
-        with open(tmp, 'wb') as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
+        # By name, not through a Python file object: torch's own file writer then writes the tensors without the
+        # GIL, where a file object takes every chunk through Python (a background write slowed training 0.6 s each,
+        # bench/ckpt_cost.py on an H200).
+        torch.save(obj, str(tmp))
+        fsync(tmp)
         if keep_previous and path.exists():
             os.replace(path, previous_path(path))  # a crash right after this leaves the previous one to resume from
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    fsync(path.parent)  # the rename itself is only durable once the folder entry is on disk
 
 
 def temporary_path(path: Path) -> Path:
@@ -63,9 +64,9 @@ def previous_path(path: Path) -> Path:
     return path.with_name(f'{path.stem}.previous{path.suffix}')
 
 
-def fsync_dir(folder: Path):
-    # the rename itself is only durable once the folder entry is on disk
-    fd = os.open(folder, os.O_RDONLY)
+def fsync(path: Path):
+    """Flush a file's bytes, or a folder's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -83,11 +84,15 @@ def host_copy(obj):
     thread goes on changing its own (the next optimizer step, the EMA) while a background thread writes this one.
 
     obj is pickled in memory as torch.save would write it (modules, optimizer state, nested containers), with every
-    tensor set aside and copied to the CPU one at a time: a model on a GPU never has a second copy there, as a
-    deepcopy would make before moving it, and a tensor held in two places is copied once, as torch.save keeps it."""
+    tensor set aside and copied to the CPU: a model on a GPU never has a second copy there, as a deepcopy would make
+    before moving it, and a tensor held in two places is copied once, as torch.save keeps it. The copies from a GPU
+    are queued (into pinned memory) and waited for once, not one at a time (0.13 s instead of 0.18 s for yolov9-s's
+    4453 tensors, bench/ckpt_cost.py)."""
     buffer = io.BytesIO()
     pickler = TensorsAside(buffer)
     pickler.dump(obj)
+    if pickler.from_gpu:
+        torch.cuda.synchronize()  # every queued copy has landed before anything reads the host copies
     buffer.seek(0)
     return TensorsBack(buffer, pickler.tensors).load()
 
@@ -98,7 +103,7 @@ class TensorsAside(pickle.Pickler):
 
     def __init__(self, file):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors, self.index = [], {}
+        self.tensors, self.index, self.from_gpu = [], {}, False
 
     def persistent_id(self, obj):
         if not isinstance(obj, torch.Tensor):
@@ -106,6 +111,7 @@ class TensorsAside(pickle.Pickler):
         if id(obj) not in self.index:
             self.index[id(obj)] = len(self.tensors)
             self.tensors.append(on_host(obj))
+            self.from_gpu |= obj.is_cuda
         return self.index[id(obj)]
 
 
@@ -121,8 +127,9 @@ class TensorsBack(pickle.Unpickler):
 
 
 def on_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A detached copy in host memory, in the same memory format; a Parameter stays one (a pickled module's are)."""
-    copy = tensor.detach().to('cpu', copy=True)
+    """A detached copy in host memory, in the same memory format; a Parameter stays one (a pickled module's are).
+    From a GPU the copy is only queued: it has landed after torch.cuda.synchronize() (host_copy waits)."""
+    copy = tensor.detach().to('cpu', copy=True, non_blocking=True)
     if isinstance(tensor, nn.Parameter):
         return nn.Parameter(copy, requires_grad=tensor.requires_grad)
     return copy.requires_grad_(tensor.requires_grad)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from yolov9_ddp.checkpoint import CheckpointError, fsync_dir, previous_path
+from yolov9_ddp.checkpoint import CheckpointError, fsync, previous_path
 
 RUN_RECORD = 'run.json'
 START_OPTIONS = ('device', 'workers', 'ddp_timeout', 'save_on_signal',  # this start's where given, else the run's
@@ -73,7 +73,7 @@ def write_record(folder: Path, **fields):
     tmp = Path(folder) / f'.{RUN_RECORD}.tmp'
     tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + '\n')
     os.replace(tmp, Path(folder) / RUN_RECORD)
-    fsync_dir(Path(folder))
+    fsync(Path(folder))
 
 
 def find_job_folder(project: Path, job_id: str):
