@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 from copy import deepcopy
-from pathlib import Path
 
 import pytest
 import torch
@@ -139,8 +138,8 @@ def test_a_failing_write_says_so_in_one_line_and_keeps_the_checkpoints_before_it
         writer.submit({'epoch': epoch}, last, f'checkpoint at step {epoch}0')
         writer.wait()
 
-    def disk_full(obj, path):
-        Path(path).write_bytes(b'PK\x03\x04 partial')
+    def disk_full(obj, f):
+        f.write(b'PK\x03\x04 partial')
         raise OSError(28, 'No space left on device')
 
     monkeypatch.setattr(checkpoint.torch, 'save', disk_full)
