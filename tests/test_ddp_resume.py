@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from testsupport.faults import (completed_run_problems, faulty_torchrun, refusal_problems, results_epochs,
-                                start_job, weights_snapshot)
+from testsupport.faults import (completed_run_problems, faulty_torchrun, one_error_line_problems, refusal_problems,
+                                results_epochs, start_job, weights_snapshot)
 from testsupport.jobs import job_env, run, torchrun_cmd, train_args
 from yolov9_ddp import checkpoint, cli, runs
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
@@ -44,9 +44,9 @@ def wait_for(condition, process, timeout=240):
     raise AssertionError('timed out waiting for the job')
 
 
-def start(cmd, cwd):
-    return subprocess.Popen(cmd, cwd=cwd, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+def start(cmd, cwd, **env):
+    return subprocess.Popen(cmd, cwd=cwd, env=job_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
 
 
 def worker_pids(agent_pid: int, local_rank: int) -> list:
@@ -122,11 +122,19 @@ def test_a_truncated_checkpoint_is_reported_not_loaded(tmp_path):
 
 @pytest.mark.slow
 def test_resume_continues_in_the_same_folder_at_the_next_epoch(patched_tree, dataset, tmp_path):
-    project = tmp_path / 'runs'
+    """Also: a --resume typed while the run still trains is refused in one line (runs.hold_run), with the run's
+    checkpoints untouched; here rank 0 lingers 12 s inside epoch 1 so that the run is still training."""
+    project, records = tmp_path / 'runs', tmp_path / 'records'
     args = train_args(dataset, project, EPOCHS, 4, 64)
-    job = start(torchrun_cmd(2, 'ddp_train_dual.py', *args), patched_tree)
+    job = start(faulty_torchrun(2, args), patched_tree, FAULT='mark:where=step:epoch=1:step=1:sleep=12',
+                FAULT_DIR=records)
     last = project / 'exp' / 'weights' / 'last.pt'
-    wait_for(lambda: checkpoint_epoch(last) is not None, job)
+    wait_for(lambda: (records / 'mark-mark').exists(), job)
+    weights = weights_snapshot(project / 'exp')
+    second = run([sys.executable, 'ddp_train_dual.py', '--resume', last], patched_tree)
+    assert second.returncode == 1 and job.poll() is None, second.stderr[-3000:]
+    assert not one_error_line_problems(second.stderr, f'{project / "exp"} is being trained by process'), second.stderr
+    assert weights_snapshot(project / 'exp') == weights
     kill_job(job)
     saved = checkpoint.load_checkpoint(last, require_resume_state=True)
     for key in ('model', 'ema', 'updates', 'optimizer', 'scaler', 'epoch', 'best_fitness', 'opt'):

@@ -11,15 +11,18 @@ ranks), and it creates the folder only once the options have passed their checks
   otherwise            a new PROJECT/NAME{,2,3,...} folder, as upstream's increment_path
 
 run.json in the folder records the launcher's job id, the last epoch saved and the position (epoch, step) of
-the last checkpoint (yolov9_ddp.position), and whether training finished.
+the last checkpoint (yolov9_ddp.position), and whether training finished. Rank 0 holds the folder's lock while it
+trains (hold_run): one start of a run at a time.
 
 A resumed run keeps its own options, from its opt.yaml (as upstream's --resume): its global batch, schedule, data,
 model and hyperparameters, whatever this start's command line says. Only how this start runs (START_OPTIONS) may
 be given again; what is not given is the run's too. The world size is this start's: each process takes the global
 batch / the number of processes.
 """
+import fcntl
 import json
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +31,8 @@ import yaml
 from yolov9_ddp.checkpoint import CheckpointError, fsync, previous_path
 
 RUN_RECORD = 'run.json'
+RUN_LOCK = '.lock'
+HELD = []  # the lock files this process holds open: a lock lasts as long as its process
 START_OPTIONS = ('device', 'workers', 'ddp_timeout', 'save_on_signal',  # this start's where given, else the run's
                  'checkpoint_steps', 'checkpoint_minutes')
 LAUNCH_OPTIONS = ('local_rank', 'auto_resume')  # always this start's: how it was launched
@@ -116,9 +121,39 @@ def plan_run(opt, latest_run, increment_path) -> RunPlan:
     return RunPlan(Path(increment_path(Path(opt.project) / opt.name, exist_ok=opt.exist_ok)))
 
 
+class RunBusy(Exception):
+    """Another start of the run is still training it."""
+
+
 def start_record(plan: RunPlan):
     (plan.save_dir / 'weights').mkdir(parents=True, exist_ok=True)
+    hold_run(plan.save_dir)
     write_record(plan.save_dir, job=launcher_job_id(), finished=False)
+
+
+def hold_run(folder: Path):
+    """Rank 0 holds the run folder's lock for as long as its process lives. A second start of the run while the
+    first still trains (a --resume typed too early, a job launched twice) is refused in one line, where it would
+    otherwise remove the first one's temporary checkpoint at its start and then write the same files. flock: the
+    kernel lets go of it when the process ends, however it ends, so a restart after a crash or a SIGKILL finds it
+    free. A filesystem that cannot lock holds nothing."""
+    lock = open(folder / RUN_LOCK, 'a+')
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or 'another process'
+        lock.close()
+        raise RunBusy(f'{folder} is being trained by {holder}: a run trains in one start at a time; wait for it '
+                      f'to end, or stop it first') from None
+    except OSError:  # no locks here (some network filesystems)
+        lock.close()
+        return
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f'process {os.getpid()} on {socket.gethostname()}')
+    lock.flush()
+    HELD.append(lock)
 
 
 def saved_options(plan: RunPlan) -> dict:

@@ -116,7 +116,7 @@ def create_run(plan: runs.RunPlan):
         try:
             runs.start_record(plan)
             checkpoint.remove_stale_temporaries(plan.save_dir / 'weights')  # of a writer killed mid-save
-        except OSError as e:
+        except (OSError, runs.RunBusy) as e:
             error = e
     comm.raise_if_any_failed(error)
 
