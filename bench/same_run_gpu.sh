@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 21 on a GPU, as a user would run it: --deterministic training of yolov9-s on the bench's photographs,
 # uninterrupted, SIGTERMed inside an epoch and resumed (--save-on-signal), and SIGKILLed inside an epoch and
-# restarted by torchrun from its periodic checkpoint (--checkpoint-steps); their final full checkpoints
-# (epoch2.pt: model, EMA, optimizer state) compared bit for bit. One device call (carry [".bench"]):
+# restarted by torchrun from its periodic checkpoint (--checkpoint-steps), and uninterrupted with 2 loader workers
+# instead of 4; their final full checkpoints (epoch2.pt: model, EMA, optimizer state) compared bit for bit. One device call (carry [".bench"]):
 #
 #   bash bench/same_run_gpu.sh        writes $OUT/log.txt and $OUT/same_run.json
 set -uo pipefail
@@ -47,6 +47,7 @@ worker=$(pgrep -P "$pid" -f ddp_train_dual.py | head -1)
 kill -KILL "$worker"; echo "killed: SIGKILL to the training process $worker inside epoch 1"
 wait $pid; echo "killed, restarted by torchrun: exit $?"
 grep -a 'resuming epoch' "$work/killed.log"
+launch fewer-workers 0 --workers 2; wait $!; echo "fewer-workers (2 loader workers instead of 4): exit $?"
 nvidia-smi --query-gpu=name --format=csv,noheader
 
 python3 - "$work/runs" "$OUT/same_run.json" <<'PY'
@@ -65,7 +66,7 @@ def tensors(name):
 
 reference, updates = tensors('reference')
 report = {'gpu': torch.cuda.get_device_name(0), 'tensors': len(reference), 'updates': updates}
-for name in ('stopped', 'killed'):
+for name in ('stopped', 'killed', 'fewer-workers'):
     other, other_updates = tensors(name)
     differ = [k for k in reference if not torch.equal(reference[k], other[k])]
     report[name] = {'updates': other_updates, 'differing_tensors': len(differ), 'first': differ[:5]}
