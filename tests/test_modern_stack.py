@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from testsupport.trees import TINY_CFG, describe, run_python
+from testsupport.trees import TINY_CFG, describe, offline_environment, run_python
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
 # One process at a time (upstream's scripts): a slow test here may share the 2 cores with another test.
@@ -215,15 +215,25 @@ TRAINING_SCRIPTS = ('train.py', 'train_dual.py', 'train_triple.py', 'segment/tra
                     'panoptic/train.py')
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize('script', TRAINING_SCRIPTS)
-def test_0005_training_scripts_fine_tune_from_a_checkpoint(script, tree_without, demo_data, offline_env, tmp_path):
-    # Without the fix --weights fails at its torch.load, before any training; tests/test_upstream_scripts.py
-    # fine-tunes every script from a checkpoint in the patched tree.
-    weights = tmp_path / 'last.pt'
+@pytest.fixture(scope='module')
+def tiny_checkpoint(tree_without, tmp_path_factory) -> Path:
+    """A checkpoint of the tiny model, as a fine-tune reads it: made once for every script."""
+    folder = tmp_path_factory.mktemp('tiny-checkpoint')
+    weights = folder / 'last.pt'
     code = ('import sys, torch\nfrom models.yolo import Model\n'
             'torch.save({"model": Model(sys.argv[1], ch=3, nc=3)}, sys.argv[2])\n')
-    assert probe(tree_without(5), code, offline_env, args=[TINY_CFG, weights]).returncode == 0
+    result = probe(tree_without(5), code, offline_environment(folder / 'home'), args=[TINY_CFG, weights])
+    assert result.returncode == 0, describe(result)
+    return weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('script', TRAINING_SCRIPTS)
+def test_0005_training_scripts_fine_tune_from_a_checkpoint(script, tree_without, tiny_checkpoint, demo_data,
+                                                            offline_env, tmp_path):
+    # Without the fix --weights fails at its torch.load, before any training; tests/test_upstream_scripts.py
+    # fine-tunes every script from a checkpoint in the patched tree.
+    weights = tiny_checkpoint
     command = [sys.executable, script, '--data', demo_data, '--weights', weights, '--cfg', TINY_CFG, '--epochs', 1,
                '--hyp', 'data/hyps/hyp.scratch-high.yaml', '--imgsz', 64, '--device', 'cpu', '--project', tmp_path]
     result = subprocess.run(list(map(str, command)), cwd=str(tree_without(5)), env=offline_env, capture_output=True,
@@ -293,21 +303,45 @@ print('ok')
     assert_fix(tree_without(7), patched_tree, code, offline_env, ['FutureWarning', 'torch.cuda.amp'], args=[TINY_CFG])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize('script', [*TRAINING_SCRIPTS, 'classify/train.py'])
-def test_0008_training_scripts_accept_local_rank_with_a_hyphen(script, tree_without, patched_tree, offline_env):
-    code = '''
-import importlib, sys
-script = importlib.import_module(sys.argv[1])
-sys.argv = ['script', '--local-rank=0']  # what torch.distributed.launch passes today
-assert script.parse_opt().local_rank == 0
-sys.argv = ['script', '--local_rank', '1']  # the old spelling still works
-assert script.parse_opt().local_rank == 1
-print('ok')
+LOCAL_RANK_SCRIPTS = (*TRAINING_SCRIPTS, 'classify/train.py')
+LOCAL_RANK_PARSES = '''
+import contextlib, importlib, io, json, sys
+
+def parses(module, argv, expected):
+    """'ok', or why the script's parse_opt() does not read argv as the local rank `expected`."""
+    sys.argv, err = ['script', *argv], io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            rank = importlib.import_module(module).parse_opt().local_rank
+    except SystemExit:
+        return err.getvalue().strip() or 'exit'
+    return 'ok' if rank == expected else f'local_rank {rank}'
+
+print(json.dumps([{'hyphen': parses(m, ['--local-rank=0'], 0),  # what torch.distributed.launch passes today
+                   'underscore': parses(m, ['--local_rank', '1'], 1)} for m in sys.argv[1:]]))  # the old spelling
 '''
-    module = script.removesuffix('.py').replace('/', '.')
-    assert_fix(tree_without(8), patched_tree, code, offline_env, ['unrecognized arguments: --local-rank=0'],
-               args=[module])
+
+
+@pytest.fixture(scope='module')
+def local_rank_parsed(tree_without, patched_tree, tmp_path_factory) -> dict:
+    """{'without': {script: {'hyphen': 'ok' or argparse's error, 'underscore': ...}}, 'patched': ...}: one process
+    per tree imports every training script and parses both spellings of the local rank."""
+    env = offline_environment(tmp_path_factory.mktemp('local-rank') / 'home')
+    modules = [script.removesuffix('.py').replace('/', '.') for script in LOCAL_RANK_SCRIPTS]
+
+    def parsed(tree: Path) -> dict:
+        result = probe(tree, LOCAL_RANK_PARSES, env, args=modules)
+        assert result.returncode == 0, describe(result)
+        return dict(zip(LOCAL_RANK_SCRIPTS, json.loads(result.stdout.strip().splitlines()[-1])))
+    return {'without': parsed(tree_without(8)), 'patched': parsed(patched_tree)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('script', LOCAL_RANK_SCRIPTS)
+def test_0008_training_scripts_accept_local_rank_with_a_hyphen(script, local_rank_parsed):
+    without, patched = local_rank_parsed['without'][script], local_rank_parsed['patched'][script]
+    assert 'unrecognized arguments: --local-rank=0' in without['hyphen'], without
+    assert patched == {'hyphen': 'ok', 'underscore': 'ok'}, patched
 
 
 # -- 0010: the label cache -----------------------------------------------------------------------
