@@ -94,20 +94,28 @@ def train_args(task: Task, data: Path, project: Path, name: str, weights, *extra
     return ['--data', data, '--cfg', MODELS / task.cfg, '--hyp', HYP, '--weights', weights, '--noplots', *common]
 
 
-# An untrained checkpoint of the task's tiny model, as upstream's released weights are saved ({'model': Model}). For
-# classify/train.py, which takes no config, the tiny detector: it cuts that into a backbone and a Classify head as it
-# does upstream's detection checkpoints.
+# An untrained checkpoint of each task's tiny model, as upstream's released weights are saved ({'model': Model}), all
+# made in one process. For classify/train.py, which takes no config, the tiny detector: it cuts that into a backbone
+# and a Classify head as it does upstream's detection checkpoints.
 UNTRAINED_PT = '''
 import sys, torch
 from models.yolo import Model
-torch.save({'model': Model(sys.argv[1], ch=3, nc=int(sys.argv[3]))}, sys.argv[2])
+for cfg, path, classes in zip(*[iter(sys.argv[1:])] * 3):
+    torch.save({'model': Model(cfg, ch=3, nc=int(classes))}, path)
 '''
 
 
-def untrained(tree, env, task: Task, data: Path, project: Path) -> Path:
-    weights = project / 'untrained.pt'
-    classes = 3 if task.labels == 'classes' else len(yaml.safe_load(data.read_text())['names'])
-    result = run_python(UNTRAINED_PT, tree, env, args=[MODELS / task.cfg, weights, classes])
+@pytest.fixture(scope='module')
+def untrained(patched_tree, datasets, env, tmp_path_factory) -> dict:
+    """{task name: an untrained checkpoint of its tiny model with its dataset's classes}."""
+    folder = tmp_path_factory.mktemp('untrained')
+    weights, args = {}, []
+    for name, task in TASKS.items():
+        data = datasets(task.labels)
+        classes = 3 if task.labels == 'classes' else len(yaml.safe_load(data.read_text())['names'])
+        weights[name] = folder / f'{name}.pt'
+        args += [MODELS / task.cfg, weights[name], classes]
+    result = run_python(UNTRAINED_PT, patched_tree, env, args=args)
     assert result.returncode == 0, describe(result)
     return weights
 
@@ -120,7 +128,7 @@ def interrupted_after_the_first_epoch(run: Path) -> Path:
 
 
 @pytest.fixture(scope='module')
-def trained(patched_tree, datasets, env, tmp_path_factory):
+def trained(patched_tree, datasets, env, untrained, tmp_path_factory):
     """trained(name): the folder of the task's training run (PROJECT/exp), resumed where the task resumes; once."""
     projects = {}
 
@@ -129,8 +137,8 @@ def trained(patched_tree, datasets, env, tmp_path_factory):
             task, project = TASKS[name], tmp_path_factory.mktemp(name)
             data = datasets(task.labels)
             resumable = ['--save-period', 1] if task.resumes else []
-            weights = untrained(patched_tree, env, task, data, project)
-            run_script(patched_tree, env, task.train, *train_args(task, data, project, 'exp', weights, *resumable))
+            run_script(patched_tree, env, task.train,
+                       *train_args(task, data, project, 'exp', untrained[name], *resumable))
             if task.resumes:
                 before = results_epochs(project / 'exp')
                 run_script(patched_tree, env, task.train, '--resume',
