@@ -32,17 +32,13 @@ def report(script: str, error: BaseException):
     to its node's reporter exits only once the reporter has recorded it (failures.wait_for_the_node_reporter)."""
     rank = comm.launched_rank()
     where = f' [rank {rank}]' if comm.launched_world_size() > 1 else ''
-    recorded = f'{script}{where}: {error}'
-    if isinstance(error, comm.PeerFailed):  # the failed rank reports; it does so before its exit fails this one
-        failures.record_for_torchrun(recorded)
-        return
-    if (isinstance(error, comm.Unanimous) and rank != 0) or \
-            (isinstance(error, comm.LaunchError) and comm.get_local_rank() != 0):  # a node's processes see it alike
-        failures.record_for_torchrun(recorded)
+    alike = (isinstance(error, comm.Unanimous) and rank != 0) or \
+        (isinstance(error, comm.LaunchError) and comm.get_local_rank() != 0)  # a node's processes see it alike
+    if not (alike or isinstance(error, comm.PeerFailed)):  # PeerFailed: the failed rank reports, before its exit
+        print(f'{script}: error{where}: {error}', file=sys.stderr, flush=True)
+    failures.record_for_torchrun(f'{script}{where}: {error}')
+    if alike:
         failures.wait_for_the_node_reporter()
-        return
-    print(f'{script}: error{where}: {error}', file=sys.stderr, flush=True)
-    failures.record_for_torchrun(recorded)
 
 
 def fail(script: str, error: Exception) -> int:
