@@ -166,7 +166,9 @@ def test_processes_without_device_cpu_under_a_too_old_driver_fail_with_one_line(
 @pytest.mark.cores
 @pytest.mark.smoke
 def test_a_torch_below_the_floor_is_refused_in_one_line(patched_tree, args):
-    result = launch(patched_tree, 2, [*args, '--device', 'cpu'], **pretending('torch=2.2.1'))
+    """Rank 0 starts late: rank 1 finds the old torch first and must not exit (torchrun would then stop rank 0)
+    before rank 0 has said it."""
+    result = launch(patched_tree, 2, [*args, '--device', 'cpu'], **pretending('torch=2.2.1,late-rank-0'))
     the_error_line(result, 'yolov9-ddp needs torch >= 2.4 (found 2.2.1): upgrade torch')
 
 

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from yolov9_ddp import __version__
+from yolov9_ddp import __version__, failures
 
 # The oldest torch that CI proves (constraints/oldest.txt, the smoke tests); requirements.txt says the same.
 TORCH_FLOOR = (2, 4)
@@ -54,12 +54,17 @@ def opencv_for_numpy() -> str:
 def exit_if_unsupported(program: str):
     """Before upstream's modules are imported: one line and exit status 1 instead of a traceback from deep inside.
 
-    Every process of a launch finds the same; the first process of each node says it."""
+    Every process of a launch finds the same; the first process of each node says it, and the others exit only
+    once it has (failures.wait_for_the_node_reporter: torchrun stops a job's processes when the first one exits)."""
     reason = unsupported_reason()
     if not reason:
         return
-    if int(os.environ.get('LOCAL_RANK', 0)) == 0:
+    reporter = int(os.environ.get('LOCAL_RANK', 0)) == 0
+    if reporter:
         print(f'{program}: error: {reason}', file=sys.stderr, flush=True)
+    failures.record_for_torchrun(f'{program}: {reason}')
+    if not reporter:
+        failures.wait_for_the_node_reporter()
     sys.exit(1)
 
 

@@ -5,12 +5,15 @@ machine does not have; YOLOV9_DDP_PRETEND names what, comma-separated:
   no-opencv      `import cv2` fails with the ModuleNotFoundError of an environment without OpenCV
   old-driver     CUDA cannot start because the NVIDIA driver is older than the torch build needs: as torch does
                  then, torch.cuda.is_available() is False and torch.cuda.init() raises torch's own message
+  late-rank-0    the node's first process (LOCAL_RANK 0) starts 3 s after the others: its peers reach the kit's
+                 checks first
 
 Only what the kit reads is changed; everything else stays the real installation. Used by tests/test_environment.py
 (the machine without a GPU gives the real "no driver" case; these are the cases it cannot give).
 """
 import os
 import sys
+import time
 
 PRETEND = {item.strip() for item in os.environ.get('YOLOV9_DDP_PRETEND', '').split(',') if item.strip()}
 # c10/cuda's message for cudaErrorInsufficientDriver, as torch.cuda.init() raises it
@@ -45,3 +48,5 @@ if 'no-opencv' in PRETEND:
 versions = [item.split('=', 1)[1] for item in PRETEND if item.startswith('torch=')]
 if versions or 'old-driver' in PRETEND:
     pretend_torch(versions[0] if versions else None, 'old-driver' in PRETEND)
+if 'late-rank-0' in PRETEND and os.environ.get('LOCAL_RANK') == '0':
+    time.sleep(3)
