@@ -506,3 +506,23 @@ print('ok')
         plot = tmp_path / f'{name}.txt'
         assert_works(probe(tree, code, offline_env, args=[plot]))
         assert plot.exists() == written, f'{name} the patch: the plot was {"" if plot.exists() else "not "}written'
+
+
+# -- 0015: seaborn is imported where the labels are plotted, not at every start -----------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.one_core
+def test_0015_seaborn_is_imported_only_to_plot_the_labels(tree_without, patched_tree, offline_env, tmp_path):
+    # models.yolo imports utils.plots, which imported seaborn (and scipy with it): 1.8 s of every process's start
+    code = '''
+import sys
+from pathlib import Path
+import numpy as np
+import models.yolo, utils.plots
+assert 'seaborn' not in sys.modules, 'seaborn is imported at start'
+labels = np.array([[0, 0.5, 0.5, 0.2, 0.3], [1, 0.3, 0.6, 0.1, 0.1], [1, 0.7, 0.2, 0.3, 0.2]], dtype=np.float32)
+utils.plots.plot_labels(labels, {0: 'a', 1: 'b'}, Path(sys.argv[1]))
+assert (Path(sys.argv[1]) / 'labels.jpg').is_file() and (Path(sys.argv[1]) / 'labels_correlogram.jpg').is_file()
+print('ok')
+'''
+    assert_fix(tree_without(15), patched_tree, code, offline_env, ['seaborn is imported at start'], args=[tmp_path])
