@@ -152,8 +152,11 @@ def test_an_elastic_job_that_loses_an_agent_goes_on_with_the_one_left(patched_tr
     are SIGKILLed (a lost node). The first one's process fails in a collective, its agent forms the job again on
     its own, and the run goes on from its newest periodic checkpoint, at its step, on 1 process, to the end."""
     project, endpoint = tmp_path / 'runs', f'127.0.0.1:{free_port()}'
-    rendezvous = ['--max-restarts', 1, '--rdzv-conf',  # a lost agent is noticed within seconds, not torchrun's 30+
-                  'join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3']
+    # A lost agent is noticed within seconds, not torchrun's 30+. The last call waits 10 s for the second agent
+    # (2 s were too short on a loaded machine: the first agent began alone, then restarted to take the late one
+    # in, and that second rendezvous of both hung in torch's role exchange until its 60 s timeout).
+    rendezvous = ['--max-restarts', 1, '--rdzv-conf',
+                  'join_timeout=60,last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3']
     script = ['ddp_train_dual.py', *args(data, project, '--checkpoint-steps', 1)]
     agents = []
     for n in range(2):  # the first agent hosts the rendezvous store; the one lost must not be it
