@@ -7,12 +7,11 @@ so it meets no other cluster on the machine. The node has two fake GPUs (gres ba
 the job scripts' GPU arithmetic runs as on a GPU node while the training itself uses --device cpu.
 
 Settings from issue 14: AuthInfo cred_expire=5 and SchedulerParameters bf_interval=1,sched_interval=1 start a
-requeued job again within seconds instead of two minutes. SlurmctldDebug=debug2 logs every time-limit check
-("Testing job time limits"): Slurm checks time limits, and sends --signal warnings, only every 30 s, and a test
-that wants the warning to come mid-run must know when the next check is (next_time_limit_check()).
+requeued job again within seconds instead of two minutes. Slurm checks time limits, and sends --signal warnings,
+only every 30 s: a test cannot choose the moment of a time-limit warning, so its job holds its first start in
+training until the warning comes (held_first_start()).
 """
 import contextlib
-import math
 import os
 import re
 import shutil
@@ -22,18 +21,15 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
-from testsupport.faults import completed_run_problems, lingering, results_epochs
+from testsupport.faults import FAULTY, completed_run_problems, lingering, results_epochs
 from testsupport.jobs import free_port
 from testsupport.trees import KIT, TINY_CFG, cache_dir, file_lock
 
 PACKAGES = ('slurmctld', 'slurmd', 'slurm-client', 'munge')
 DAEMONS = ('munged', 'slurmctld', 'slurmd')
 SBIN_PATH = os.pathsep.join([os.environ.get('PATH', ''), '/usr/sbin', '/sbin'])  # daemons live in sbin
-TIME_LIMIT_CHECK_S = 30  # slurmctld's PERIODIC_TIMEOUT: time limits and --signal warnings are acted on this often
-TIME_LIMIT_CHECK = re.compile(r'^\[(\S+)\] debug2: Testing job time limits')
 READY_DEADLINE_S = 60
 STOP_DEADLINE_S = 90  # a job that ignores SIGTERM is killed after KillWait (30 s)
 
@@ -82,7 +78,6 @@ def slurm_conf(root: Path, ports: tuple, cpus: int, gpus: int) -> str:
         f'SlurmdPidFile={root}/slurmd.pid',
         f'SlurmctldLogFile={root}/slurmctld.log',
         f'SlurmdLogFile={root}/slurmd.log',
-        'SlurmctldDebug=debug2',
         'ProctrackType=proctrack/linuxproc',  # no cgroups, no systemd: works in a container
         'TaskPlugin=task/none',
         'SelectType=select/cons_tres',
@@ -187,27 +182,6 @@ class Cluster:
     def active_jobs(self) -> list:
         return self.command('squeue', '--noheader', '--format=%i', check=False).split()
 
-    def time_limit_checks(self) -> list:
-        """When slurmctld checked time limits so far (wall-clock seconds since the epoch), oldest first."""
-        checks = []
-        for line in (self.root / 'slurmctld.log').read_text(errors='replace').splitlines():
-            found = TIME_LIMIT_CHECK.match(line)
-            if found:
-                checks.append(datetime.fromisoformat(found.group(1)).timestamp())
-        return checks
-
-    def next_time_limit_check(self, after: float) -> float:
-        """The first time-limit check at or after the wall-clock time `after` (they come every TIME_LIMIT_CHECK_S
-        from slurmctld's start; the log says when the last one was)."""
-        checks = self.time_limit_checks()
-        if not checks:  # none yet: they count from slurmctld's start
-            started = (self.root / 'slurmctld.log').stat().st_ctime
-            checks = [started]
-        upcoming = checks[-1]
-        while upcoming < after:
-            upcoming += TIME_LIMIT_CHECK_S
-        return upcoming
-
     # -- stopping ------------------------------------------------------------------------------------------------
 
     def stop(self):
@@ -307,6 +281,19 @@ def slowed_launcher(folder: Path, name: str, started: Path) -> Path:
     return folder
 
 
+def held_first_start(folder: Path, hold_s: float) -> tuple:
+    """(folder for the front of a job's PATH, its environment) that make the single-node script's first start train
+    with testsupport/probes/faulty_train.py, which holds rank 0 at step 1 of its second epoch (epoch 1) until a signal comes, for
+    hold_s at most; a requeued start (SLURM_RESTART_COUNT > 0) trains as usual. So the first start is still
+    training when a warning comes whose moment Slurm chooses, however fast this machine runs."""
+    folder.mkdir(parents=True, exist_ok=True)
+    wrapper = folder / 'torchrun'
+    wrapper.write_text(f'#!/bin/sh\n[ "${{SLURM_RESTART_COUNT:-0}}" = 0 ] && export FAULT=hold:where=step:epoch=1:'
+                       f'step=1:sleep={hold_s}\nPATH="${{PATH#*{os.pathsep}}}" exec torchrun "$@"\n')
+    wrapper.chmod(0o755)
+    return folder, {'YOLOV9_DDP_ENTRY': str(FAULTY)}
+
+
 @dataclass
 class SlurmJob:
     cluster: Cluster
@@ -402,44 +389,3 @@ def resumable_checkpoint_at_requeue(job: SlurmJob, deadline_s: float) -> dict:
     previous = checkpoint.load_checkpoint(checkpoint.previous_path(last))
     return {'epoch': saved['epoch'], 'updates': saved['updates'], 'previous_epoch': previous['epoch'],
             'previous_updates': previous['updates'], 'rows': results_epochs(job.run_dir)}
-
-
-# -- the time-limit scenario: Slurm's warning comes at one of its time-limit checks, which the test aligns ---------
-
-@dataclass(frozen=True)
-class Pace:
-    setup_s: float  # from the job's start to its first training step
-    epoch_s: float  # one epoch, its validation and checkpoint included
-
-
-def measured_pace(cluster: Cluster, tree: Path, workdir: Path, data: Path, env: dict) -> tuple:
-    """Run the single-node script for 3 epochs, untouched, timing it from here: (the job, its fields, Pace)."""
-    job = submit_training(cluster, 'single-node.sbatch', tree, workdir, data, 3, env)
-    job.wait_for(lambda fields: fields.get('JobState') == 'RUNNING', 120, 'start')
-    started = time.monotonic()
-    job.wait_for_epochs(1, 240)
-    first = time.monotonic()
-    job.wait_for_epochs(3, 240)
-    epoch_s = (time.monotonic() - first) / 2
-    return job, job.wait_until_ended(120), Pace(max(first - started - epoch_s, 0.0), epoch_s)
-
-
-def time_limit_plan(cluster: Cluster, pace: Pace) -> dict:
-    """The sbatch options, submission time and epochs of a job whose time-limit warning comes mid-run.
-
-    Slurm sends the --signal=B:TERM@N warning at the first time-limit check at least TIME - N - PERIOD seconds after
-    the start (PERIOD: the 30 s between checks; measured on Slurm 22.05), and ends the job at the first check after
-    TIME. So every start trains at least that threshold before its warning. The test submits the job so that a
-    check comes just after the threshold of the first start, and gives the run 1.5 times the epochs that start can
-    reach, plus 2 (a faster first start must not finish before its warning); the threshold leaves a requeued start
-    time for the rest (a start that is warned again simply starts once more)."""
-    threshold = pace.setup_s + 6 * pace.epoch_s + 10
-    minutes = math.ceil((threshold + TIME_LIMIT_CHECK_S + 1) / 60)
-    signal_s = int(minutes * 60 - TIME_LIMIT_CHECK_S - threshold)
-    threshold = minutes * 60 - TIME_LIMIT_CHECK_S - signal_s
-    start_latency, slack = 1.5, 4  # from sbatch to the job's start; the check comes this long after the threshold
-    check = cluster.next_time_limit_check(time.time() + start_latency + threshold + slack)
-    submit_at = check - threshold - slack - start_latency
-    reached = max(1, int((threshold + slack - pace.setup_s) / pace.epoch_s))  # by the first start's warning
-    return {'options': (f'--time={minutes}', f'--signal=B:TERM@{signal_s}'), 'submit_at': submit_at,
-            'warned_at': check, 'epochs': int(1.5 * reached) + 2, 'pace': pace}

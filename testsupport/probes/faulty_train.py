@@ -16,6 +16,8 @@ FAULT is a ';'-separated list of faults ACTION:key=value:...; each fires at most
            mark   write FAULT_DIR/mark-NAME (NAME: the `name` key, default 'mark') and go on, after `sleep`
                   seconds: tells a test that training has reached this point (e.g. to send a signal)
            slow   sleep `sleep` seconds there, then go on (a slow rank, a slow shared filesystem)
+           hold   wait there until this rank is asked to stop (a signal), for `sleep` seconds at most: keeps a start
+                  training until a signal whose moment Slurm chooses (a time-limit warning); where=step only
   where    step      before training step `step` of `epoch` (default)
            loss      in the loss of training step `step` of `epoch`, after the forward pass
            getitem   in the training dataset's __getitem__, at its `step`-th call in the process that runs it
@@ -61,7 +63,7 @@ from yolov9_ddp.tasks import TASKS  # noqa: E402
 
 TASK = TASKS[os.environ.get('FAULT_TASK', 'detect-dual')]
 
-ACTIONS = ('kill', 'killworker', 'raise', 'stall', 'mark', 'slow')
+ACTIONS = ('kill', 'killworker', 'raise', 'stall', 'mark', 'slow', 'hold')
 PLACES = ('step', 'loss', 'getitem', 'val', 'final_val', 'save', 'rename', 'strip', 'sync_ema', 'resume_options',
           'opt_yaml', 'report')
 INJECTED = 'injected fault'  # in the message of every exception a `raise` fault raises
@@ -135,6 +137,10 @@ def fire(fault: dict, **detail):
         time.sleep(fault['sleep'])
     elif fault['action'] == 'slow':
         time.sleep(fault['sleep'])
+    elif fault['action'] == 'hold':
+        deadline = time.monotonic() + fault['sleep']
+        while STATE['trainer'].stop.signum is None and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 def loader_worker_pid(loader: str) -> int:
