@@ -26,7 +26,7 @@ from yolov9_ddp.samplers import ShardBatchSampler  # noqa: E402
 from yolov9_ddp.tasks import TASKS  # noqa: E402
 
 MASK_RATIO = 4  # upstream's --mask-ratio default
-FIT_STEPS, FIT_BATCH, FIT_LR = 150, 8, 0.01
+FIT_STEPS, FIT_BATCH, FIT_LR = 80, 8, 0.01
 
 
 def dataset(data: dict, task: str, imgsz: int, batch: int, stride: int, rect: bool):
