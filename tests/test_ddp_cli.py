@@ -41,7 +41,7 @@ import argparse, json, sys
 from pathlib import Path
 
 tree = Path.cwd().resolve()
-samples, module, task = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+tasks = json.loads(sys.argv[1])  # {task: [upstream module, samples]}
 
 
 def norm(value):
@@ -61,30 +61,37 @@ def dump(parser):
              'action': type(a).__name__} for a in parser._actions]
 
 
-import importlib  # noqa: E402
-upstream_script = importlib.import_module(module)  # upstream's, from this (patched) tree
+def upstream_parser(module):
+    """The parser upstream's script builds in parse_opt(), captured where it would parse."""
+    captured = []
+    real_parse_args, real_parse_known_args = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
+    argparse.ArgumentParser.parse_args = lambda self, *a, **k: captured.append(self) or argparse.Namespace()
+    argparse.ArgumentParser.parse_known_args = \
+        lambda self, *a, **k: (captured.append(self), (argparse.Namespace(), []))[1]
+    sys.argv = ['x']
+    try:
+        importlib.import_module(module).parse_opt()  # upstream's, from this (patched) tree
+    finally:
+        argparse.ArgumentParser.parse_args = real_parse_args
+        argparse.ArgumentParser.parse_known_args = real_parse_known_args
+    return captured[-1]
 
-captured = []
-real_parse_args, real_parse_known_args = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
-argparse.ArgumentParser.parse_args = lambda self, *a, **k: captured.append(self) or argparse.Namespace()
-argparse.ArgumentParser.parse_known_args = lambda self, *a, **k: (captured.append(self), (argparse.Namespace(), []))[1]
-sys.argv = ['x']
-try:
-    upstream_script.parse_opt()
-finally:
-    argparse.ArgumentParser.parse_args = real_parse_args
-    argparse.ArgumentParser.parse_known_args = real_parse_known_args
-upstream = captured[-1]
+
+def compared(task, module, samples):
+    upstream, ours = upstream_parser(module), build_parser(tree, TASKS[task])
+    parsed = [{'upstream': {k: norm(v) for k, v in vars(upstream.parse_args(s)).items()},
+               'ours': {k: norm(v) for k, v in vars(ours.parse_args(s)).items()}} for s in samples]
+    kit = [o for group in ours._action_groups if group.title == 'yolov9-ddp' for a in group._group_actions
+           for o in a.option_strings]
+    return {'upstream': dump(upstream), 'ours': dump(ours), 'parsed': parsed, 'kit': kit}
+
+
+import importlib  # noqa: E402
 
 from yolov9_ddp.cli import build_parser  # noqa: E402
 from yolov9_ddp.tasks import TASKS  # noqa: E402
-ours = build_parser(tree, TASKS[task])
 
-parsed = [{'upstream': {k: norm(v) for k, v in vars(upstream.parse_args(s)).items()},
-           'ours': {k: norm(v) for k, v in vars(ours.parse_args(s)).items()}} for s in samples]
-kit = [o for group in ours._action_groups if group.title == 'yolov9-ddp' for a in group._group_actions
-       for o in a.option_strings]
-print(json.dumps({'upstream': dump(upstream), 'ours': dump(ours), 'parsed': parsed, 'kit': kit}))
+print(json.dumps({task: compared(task, module, samples) for task, (module, samples) in tasks.items()}))
 '''
 
 # Command lines that set every upstream flag to something other than its default, and the other spellings.
@@ -130,14 +137,20 @@ def task(request):
 
 
 @pytest.fixture(scope='module')
-def parsers(patched_tree, tmp_path_factory, task):
+def every_parser(patched_tree, tmp_path_factory) -> dict:
+    """{task: what PARSERS found}: one process imports the five upstream scripts and compares their parsers."""
     from testsupport.trees import offline_environment
     env = offline_environment(tmp_path_factory.mktemp('home'))
-    module = task.upstream.removesuffix('.py').replace('/', '.')
-    result = run_python(PARSERS, patched_tree, env, args=[json.dumps(samples_of(task)), module, task.name],
-                        timeout=120)
+    tasks = {name: [task.upstream.removesuffix('.py').replace('/', '.'), samples_of(task)]
+             for name, task in TASKS.items()}
+    result = run_python(PARSERS, patched_tree, env, args=[json.dumps(tasks)], timeout=120)
     assert result.returncode == 0, describe(result)
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def parsers(every_parser, task):
+    return every_parser[task.name]
 
 
 def by_option(actions):
