@@ -5,28 +5,24 @@ same run
   - loaded by 2 loader workers instead of none, with one rank SIGKILLed and both restarted by torchrun from the
     newest periodic checkpoint (--checkpoint-steps), at its step;
 and a run of global batch 12 stopped on 2 processes, continued on 3 and stopped again, then finished on 2, trains
-every image of each epoch exactly once (recorded per rank by testsupport/probes/recording_train.py). Every other
-entry point resumes a checkpoint taken inside an epoch to the weights of its uninterrupted run (one process), and
-a torchrun elastic job (--nnodes 1:2) that loses an agent goes on with the one left.
+every image of each epoch exactly once (recorded per rank by testsupport/probes/recording_train.py), and a torchrun
+elastic job (--nnodes 1:2) that loses an agent goes on with the one left. Every other entry point ends a run that
+was SIGKILLed, restarted, stopped inside an epoch and resumed bit-identical to its uninterrupted run: tests/test_tasks.py.
 Bit-identity across world sizes is not claimed: the order of the sums of an all-reduce changes with it."""
 import json
 import os
 import re
-import shutil
 import signal
 import socket
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 
-from testsupport.faults import Job, completed_run_problems, node_cmd, start_job
-from testsupport.jobs import free_port, labels_of, task_cfg, torchrun_cmd, train_args
+from testsupport.faults import Job, completed_run_problems, differences, final_state, node_cmd, start_job
+from testsupport.jobs import free_port, torchrun_cmd, train_args
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
-from yolov9_ddp.tasks import TASKS
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures('upstream_importable'), pytest.mark.slow]
 EPOCHS, BATCH, IMAGES = 2, 8, 40  # 5 global batches an epoch
@@ -84,25 +80,11 @@ def resumed_at(output: str, steps=5) -> list:
     return [(int(e), int(s)) for e, s in re.findall(rf'resuming epoch (\d+) at step (\d+) of {steps} from', output)]
 
 
-def final_state(run_dir: Path) -> dict:
-    """Every tensor of the last epoch's full checkpoint (--save-period 1: not stripped, unlike last.pt)."""
-    ckpt = torch.load(run_dir / 'weights' / f'epoch{EPOCHS - 1}.pt', map_location='cpu', weights_only=False)
-    tensors = {f'{key}.{name}': t for key in ('model', 'ema') for name, t in ckpt[key].state_dict().items()}
-    for index, state in ckpt['optimizer']['state'].items():
-        tensors.update({f'optimizer.{index}.{name}': t for name, t in state.items() if torch.is_tensor(t)})
-    return {'tensors': tensors, 'updates': ckpt['updates']}
-
-
-def differences(a: dict, b: dict) -> list:
-    assert a['tensors'].keys() == b['tensors'].keys() and a['updates'] == b['updates'] > 0
-    return [name for name, t in a['tensors'].items() if not torch.equal(t, b['tensors'][name])]
-
-
 @pytest.fixture(scope='module')
 def reference(patched_tree, data, tmp_path_factory):
     workdir = tmp_path_factory.mktemp('reference')
     finished(launch(patched_tree, workdir, 'reference', 2, args(data, workdir / 'runs')))
-    return final_state(workdir / 'runs' / 'exp')
+    return final_state(workdir / 'runs' / 'exp', EPOCHS)
 
 
 def test_a_run_stopped_three_times_mid_epoch_ends_bit_identical(patched_tree, data, reference, tmp_path):
@@ -116,7 +98,7 @@ def test_a_run_stopped_three_times_mid_epoch_ends_bit_identical(patched_tree, da
         output = stopped(job, run_dir, at_least) if at_least else finished(job)
         resumes += resumed_at(output)
     assert len(resumes) == 3 and any(0 < step < 5 for _, step in resumes), resumes  # inside an epoch
-    assert differences(final_state(run_dir), reference) == []
+    assert differences(final_state(run_dir, EPOCHS), reference) == []
 
 
 def test_a_sigkilled_rank_restarts_from_its_periodic_checkpoint_bit_identical_with_loader_workers(
@@ -129,7 +111,7 @@ def test_a_sigkilled_rank_restarts_from_its_periodic_checkpoint_bit_identical_wi
     output = finished(job)
     [(epoch, step)] = resumed_at(output)
     assert (epoch, step) >= (1, 1) and 0 < step, output[-3000:]
-    assert differences(final_state(project / 'exp'), reference) == []
+    assert differences(final_state(project / 'exp', EPOCHS), reference) == []
 
 
 def workers_of(job: Job, rank=None) -> list:
@@ -210,32 +192,3 @@ def test_a_run_continues_on_3_processes_and_on_2_again_training_every_image_once
     for epoch in range(EPOCHS):
         counts = Counter(index for e, index in keys if e == epoch)
         assert sorted(counts) == list(range(IMAGES)) and set(counts.values()) == {1}, (epoch, counts)
-
-
-@pytest.mark.one_core
-@pytest.mark.parametrize('task', [name for name in TASKS if name != 'detect-dual'])
-def test_every_entry_point_resumes_a_checkpoint_inside_an_epoch_bit_identical(patched_tree, task_datasets, task,
-                                                                             tmp_path):
-    """The reference run writes a periodic checkpoint after every optimizer step; a copy of its run folder taken
-    inside its second epoch, without the epoch checkpoints, is resumed and must end with the reference's weights.
-    45 images, 6 steps an epoch: the dataset classes (masks too) and losses of each task."""
-    script, project, copy = TASKS[task].script, tmp_path / 'runs', tmp_path / 'copy'
-    run_dir = project / 'exp'
-    reference = start_job([sys.executable, script, *args(task_datasets[labels_of(task)], project, '--checkpoint-steps',
-                                                         1, cfg=task_cfg(task))], patched_tree, tmp_path, 'reference')
-    when_saved(reference, run_dir, [1, 1], lambda: snapshot(run_dir, copy))
-    finished(reference)
-    output = finished(start_job([sys.executable, script, '--resume', copy / 'weights' / 'last.pt'], patched_tree,
-                                tmp_path, 'resumed'))
-    [(epoch, step)] = resumed_at(output, steps=6)
-    assert epoch == 1 and 0 < step < 6, output[-3000:]
-    assert differences(final_state(copy), final_state(run_dir)) == []
-
-
-def snapshot(run_dir: Path, copy: Path):
-    """The run folder as it is now, last.pt first (a rename may replace it any moment: the copy reads the file it
-    opened), without the epoch checkpoints, which the resumed run must write itself."""
-    (copy / 'weights').mkdir(parents=True)
-    shutil.copy(run_dir / 'weights' / 'last.pt', copy / 'weights' / 'last.pt')
-    for name in ('opt.yaml', 'hyp.yaml', 'run.json'):
-        shutil.copy(run_dir / name, copy / name)

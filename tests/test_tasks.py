@@ -10,11 +10,13 @@ first three claims hold for ddp_train_dual.py too, and one job of 1, 2 (and 3) p
     does upstream's val script run with distributed=True (patch 0009)
   - a killed rank: torchrun restarts, the run resumes from its atomic checkpoint and completes
   - SIGTERM: every rank stops after the same step, a resumable last.pt, --resume completes
-    (one job per task serves both: the kill in epoch 1, SIGTERM in epoch 2 of the restarted job)
+  - with --deterministic, the run so killed, stopped and resumed ends bit-identical to the same run uninterrupted
+    (one job per task serves the last three: the kill in epoch 1, SIGTERM in epoch 2 of the restarted job)
   - a model of another task is refused in one line naming the entry point that trains it
   - segmentation: every image drawn once per epoch; training survives a rank whose batch has no masks
 """
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +24,8 @@ import sys
 import numpy as np
 import pytest
 
-from testsupport.faults import completed_run_problems, signal_scenario
+from testsupport.faults import (completed_run_problems, differences, final_state, scenario_args, signal_scenario,
+                               start_job)
 from testsupport.jobs import TASK_DATASETS, job_env, labels_of, run, run_probe, task_cfg, torchrun_cmd, train_args
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 from yolov9_ddp.stream import repeats_per_epoch
@@ -156,17 +159,27 @@ def test_distributed_validation_equals_one_process_and_upstream(probed, task, np
 
 # -- faults, signals, resume -------------------------------------------------------------------------------------------
 
+SAME_RUN = ('--deterministic', '--save-period', 1)  # the run's numerics fixed, its last epoch's full checkpoint kept
+
+
 @pytest.fixture(scope='module')
 def killed_then_stopped(patched_tree, task_datasets, tmp_path_factory):
-    """killed_then_stopped(task): one job of the task for both proofs (testsupport.faults.signal_scenario with a
-    kill): rank 1 SIGKILLed mid-epoch 1, torchrun's restart continuing the run, SIGTERM mid-epoch 2, --resume."""
+    """killed_then_stopped(task): (outcome, reference) of one job of the task for three proofs (testsupport.faults.
+    signal_scenario with a kill, --deterministic): rank 1 SIGKILLed mid-epoch 1, torchrun's restart continuing the
+    run, SIGTERM mid-epoch 2, --resume inside that epoch; and the final state of the same training uninterrupted."""
     outcomes = {}
 
     def scenario(task):
         if task not in outcomes:
-            outcomes[task] = signal_scenario(patched_tree, task_datasets[labels_of(task)],
-                                             tmp_path_factory.mktemp(f'faults-{task}'), signal.SIGTERM, epochs=3,
-                                             task=task, kill='kill:rank=1:where=step:epoch=1:step=3')
+            data, workdir = task_datasets[labels_of(task)], tmp_path_factory.mktemp(f'faults-{task}')
+            outcome = signal_scenario(patched_tree, data, workdir, signal.SIGTERM, epochs=3, task=task,
+                                      kill='kill:rank=1:where=step:epoch=1:step=3', extra=SAME_RUN)
+            project = tmp_path_factory.mktemp(f'reference-{task}') / 'runs'
+            reference = start_job(torchrun_cmd(2, TASKS[task].script, *scenario_args(data, project, 3, task=task,
+                                                                                     extra=SAME_RUN)),
+                                  patched_tree, project.parent, 'reference')
+            assert reference.wait(300) == 0, reference.output()[-4000:]
+            outcomes[task] = outcome, final_state(project / 'exp', 3)
         return outcomes[task]
     return scenario
 
@@ -174,7 +187,7 @@ def killed_then_stopped(patched_tree, task_datasets, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize('task', NEW_TASKS)
 def test_a_killed_rank_is_restarted_and_the_run_completes(killed_then_stopped, task):
-    outcome = killed_then_stopped(task)
+    outcome, _ = killed_then_stopped(task)
     assert not outcome.problems, outcome.describe()  # the kill fired, torchrun restarted, the run completed
     assert outcome.redone[0] == 1, outcome.describe()
 
@@ -182,10 +195,23 @@ def test_a_killed_rank_is_restarted_and_the_run_completes(killed_then_stopped, t
 @pytest.mark.slow
 @pytest.mark.parametrize('task', NEW_TASKS)
 def test_sigterm_stops_every_rank_with_a_resumable_checkpoint(killed_then_stopped, task):
-    outcome = killed_then_stopped(task)
+    outcome, _ = killed_then_stopped(task)
     assert not outcome.problems, outcome.describe()
     assert outcome.detail['saved_epoch'] == outcome.detail['signalled_epoch'] - 1, outcome.describe()
     assert outcome.redone == [1, 1], outcome.describe()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('task', NEW_TASKS)
+def test_the_killed_stopped_and_resumed_run_ends_bit_identical_to_its_uninterrupted_run(killed_then_stopped, task):
+    """The dataset classes (masks too) and losses of each task keep the same run (test_same_run.py for
+    ddp_train_dual.py): the restart after the kill trains epoch 1 again from its start, the resume continues epoch 2
+    at its step."""
+    outcome, reference = killed_then_stopped(task)
+    assert not outcome.problems, outcome.describe()
+    resumed = re.findall(r'resuming epoch 2 at step (\d+) of (\d+) from', outcome.jobs[-1].output())
+    assert len(resumed) == 1 and 0 < int(resumed[0][0]) < int(resumed[0][1]), outcome.jobs[-1].output()[-3000:]
+    assert differences(final_state(outcome.project / 'exp', 3), reference) == []
 
 
 # -- clear errors ------------------------------------------------------------------------------------------------------

@@ -301,6 +301,30 @@ def fault_args(data, project, epochs=FAULT_EPOCHS, *extra, task=DUAL) -> list:
     return train_args(data, project, epochs, 4, 64, *extra, cfg=task_cfg(task))
 
 
+def scenario_args(data, project, epochs=FAULT_EPOCHS, save_on_signal=True, task=DUAL, extra=()) -> list:
+    """signal_scenario's training arguments, for a reference run of the same training."""
+    return fault_args(data, project, epochs, *WORKERS, *(['--save-on-signal'] if save_on_signal else []), *extra,
+                      task=task)
+
+
+def final_state(run_dir: Path, epochs: int) -> dict:
+    """Every tensor of the last epoch's full checkpoint (--save-period 1: not stripped, unlike last.pt), and its
+    count of EMA updates."""
+    import torch
+    ckpt = torch.load(run_dir / 'weights' / f'epoch{epochs - 1}.pt', map_location='cpu', weights_only=False)
+    tensors = {f'{key}.{name}': t for key in ('model', 'ema') for name, t in ckpt[key].state_dict().items()}
+    for index, state in ckpt['optimizer']['state'].items():
+        tensors.update({f'optimizer.{index}.{name}': t for name, t in state.items() if torch.is_tensor(t)})
+    return {'tensors': tensors, 'updates': ckpt['updates']}
+
+
+def differences(a: dict, b: dict) -> list:
+    """The tensors of two final_state()s that are not bit-identical."""
+    import torch
+    assert a['tensors'].keys() == b['tensors'].keys() and a['updates'] == b['updates'] > 0
+    return [name for name, t in a['tensors'].items() if not torch.equal(t, b['tensors'][name])]
+
+
 def error_lines(output: str) -> list:
     return [line[line.index(ERROR_LINE):] for line in output.splitlines() if ERROR_LINE in line]
 
@@ -417,7 +441,7 @@ def lingering(marker: str, grace=5.0) -> list:
 
 
 def signal_scenario(tree, data, workdir: Path, signum=signal.SIGTERM, save_on_signal=True, nproc=2,
-                    epochs=FAULT_EPOCHS, resume=True, task=DUAL, kill='') -> Outcome:
+                    epochs=FAULT_EPOCHS, resume=True, task=DUAL, kill='', extra=()) -> Outcome:
     """A job (torchrun with nproc > 1, else one process) with one loader worker per rank gets signum mid-epoch 1,
     sent to the launcher only: it must be gone within STOP_DEADLINE_S with exit status 128 + signum on every rank,
     the process group destroyed, no process left, one 'stopped on' line, and a resumable last.pt
@@ -426,13 +450,12 @@ def signal_scenario(tree, data, workdir: Path, signum=signal.SIGTERM, save_on_si
     kill: a kill fault (faulty_train.py) of the job's first attempt in epoch 1, as kill_scenario's: torchrun
     (--max-restarts 1) must restart the job, which continues its run (every checkpoint seen on the way loadable,
     only the killed epoch trained twice), and the signal comes mid-epoch 2 of the restarted job instead (one job
-    for both proofs; detail['signalled_epoch'] says which)."""
+    for both proofs; detail['signalled_epoch'] says which). extra: more training arguments (scenario_args)."""
     from yolov9_ddp import checkpoint
     from yolov9_ddp.tasks import TASKS
     project = workdir / 'runs'
     last = project / 'exp' / 'weights' / 'last.pt'
-    extra = [*WORKERS] + (['--save-on-signal'] if save_on_signal else [])
-    args = fault_args(data, project, epochs, *extra, task=task)
+    args = scenario_args(data, project, epochs, save_on_signal, task, extra)
     watcher = CheckpointWatcher(project / 'exp') if kill else None
     if kill:
         fault = f'{kill}:attempt=0;{MARK_SLOW.replace(":epoch=1", ":epoch=2")}:attempt=1'
