@@ -11,8 +11,6 @@ from functools import partial
 import torch
 from torch.utils.data import DataLoader
 
-from utils.dataloaders import seed_worker
-from utils.general import LOGGER, NUM_THREADS
 from yolov9_ddp import comm, failures, ramcache, shutdown
 from yolov9_ddp.samplers import ShardBatchSampler
 from yolov9_ddp.stream import FixedBatches, SeededSamples, StreamSampler
@@ -59,6 +57,7 @@ def disk_cache(cache):
 def with_shared_ram_cache(dataset, cache, prefix):
     """--cache ram (upstream caches in RAM for any value but 'disk'): one decoded copy per node, not per rank."""
     if cache and cache != 'disk':
+        from utils.general import LOGGER, NUM_THREADS  # upstream's modules load once a run's options are checked
         try:
             ramcache.share_images(dataset, prefix, LOGGER.info, NUM_THREADS)
         except ramcache.CacheError as e:
@@ -78,6 +77,7 @@ def init_worker(worker_id, trainer_pid):
     for signum in shutdown.HANDLED:
         signal.signal(signum, signal.SIG_IGN)
     failures.die_with_parent(trainer_pid)
+    from utils.dataloaders import seed_worker  # loaded already: the trainer imported it before forking workers
     seed_worker(worker_id)
 
 

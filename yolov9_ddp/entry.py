@@ -17,7 +17,7 @@ from yolov9_ddp.environment import exit_if_unsupported  # noqa: E402
 
 exit_if_unsupported(Path(sys.argv[0]).name)  # a too-old torch or no OpenCV: one line, not upstream's traceback
 
-from yolov9_ddp import checkpoint, cli, comm, data, failures, runs, shutdown, trainer  # noqa: E402
+from yolov9_ddp import checkpoint, cli, comm, data, failures, runs, shutdown  # noqa: E402
 from yolov9_ddp.levers import CUBLAS_WORKSPACE  # noqa: E402
 from yolov9_ddp.tasks import TASKS  # noqa: E402
 
@@ -59,10 +59,15 @@ def main(task_name: str, argv=None, root=None) -> int:
     failures.end_children_at_exit()
     try:
         cli.check_launch(opt)
+        resumes = opt.resume or opt.auto_resume
+        if not resumes:  # a new run's options are its own already: refused before upstream's modules load (4 s)
+            cli.check_options(opt, comm.launched_world_size(), task)
+        from yolov9_ddp import trainer  # upstream's modules
         plan = trainer.plan_start(opt, cli.given_flags(argv, root, task))  # a resume: opt is the run's from here
         if opt.deterministic:  # read when cuBLAS starts: before any CUDA work (a resumed run's flag too)
             os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', CUBLAS_WORKSPACE)
-        cli.check_options(opt, comm.launched_world_size(), task)
+        if resumes:
+            cli.check_options(opt, comm.launched_world_size(), task)
         device = comm.select_device(opt.device)
         comm.print_banner(device, opt.device)
         with comm.process_group(device, opt.ddp_timeout):
