@@ -12,7 +12,7 @@ import yaml
 from testsupport import faults
 from testsupport.jobs import launch_cmd, run, train_args
 from testsupport.trees import describe as describe_result
-from yolov9_ddp import checkpoint, cli
+from yolov9_ddp import checkpoint, cli, graphs
 from yolov9_ddp.levers import (DETERMINISTIC, Levers, describe, fused_optimizer, levers_for, parse_levers,
                                record_levers, requested_levers, resumed_levers)
 from yolov9_ddp.tasks import TASKS
@@ -125,6 +125,21 @@ def test_a_run_that_recorded_compile_resumes_without_it_and_says_so():
     resumed = resumed_levers({'levers': 'compile=1,pin_memory=0', 'compile': True}, {}, said.append)
     assert parse_levers(resumed) == asdict(replace(Levers(), pin_memory=False))
     assert said == ["the run recorded the lever 'compile', which this kit does not have: ignored"]
+
+
+def test_cuda_graphs_is_refused_in_one_line_where_it_cannot_work(tmp_path, monkeypatch):
+    def refusal(*args, world=1):
+        opt = cli.parse_args(['--levers', 'cuda_graphs=1', *args], tmp_path, TASKS['detect-dual'])
+        with pytest.raises(cli.UsageError) as refused:
+            cli.check_options(opt, world, TASKS['detect-dual'])
+        return str(refused.value)
+    assert refusal('--device', 'cpu') == '--levers cuda_graphs=1 needs a CUDA device'
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)  # the rules past the device
+    assert refusal('--device', 'cpu') == '--levers cuda_graphs=1 needs a CUDA device'
+    assert 'one GPU only' in refusal('--device', '0,1', world=2)
+    for flag in ('--multi-scale', '--rect'):
+        assert refusal(flag).endswith('needs one input shape for the run: not with --multi-scale or --rect')
+    assert graphs.unsupported(cli.parse_args(['--device', '0'], tmp_path, TASKS['detect-dual']), 1) == ''
 
 
 def test_a_run_records_every_lever_in_its_options():

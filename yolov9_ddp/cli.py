@@ -10,6 +10,7 @@ becomes '' (train from scratch, as the other scripts).
 import argparse
 from pathlib import Path
 
+from yolov9_ddp import graphs
 from yolov9_ddp.comm import DEFAULT_TIMEOUT_S, Unanimous
 from yolov9_ddp.levers import levers_for
 
@@ -197,9 +198,11 @@ def check_options(opt, world_size: int, task):
     if opt.epochs < 1:
         raise UsageError(f'--epochs {opt.epochs}: train for at least one epoch')
     try:
-        levers_for(opt)
+        levers = levers_for(opt)
     except ValueError as e:
         raise UsageError(str(e)) from e
+    if levers.cuda_graphs and graphs.unsupported(opt, world_size):
+        raise UsageError(f'--levers cuda_graphs=1 {graphs.unsupported(opt, world_size)}')
     for flag in ('data', 'hyp', 'weights'):
         value = getattr(opt, flag)
         if value and not opt.resume and not str(value).startswith(('http://', 'https://')) \

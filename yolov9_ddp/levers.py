@@ -12,6 +12,9 @@ A run's levers are one of its options: `--levers name=value,...` sets any of the
 deterministic algorithms only: the same seed and world size then give bit-identical weights. A --levers that turns
 one of those levers on contradicts it and is refused.
 
+cuda_graphs (yolov9_ddp/graphs.py) keeps the arithmetic bit for bit, so --deterministic allows it; it is off until
+its measurement is complete (bench/RESULTS.md), and refused on CPUs, with DDP and with shapes that change.
+
 A lever that does not pay is removed, not kept: torch.compile (--compile) is refused with the measurement that
 removed it (REMOVED). Activations out of place (undoing upstream's inplace=True) were measured on one H200 and
 removed: 0.98x in the GPU-only step, 1.03x end to end, both inside the spread of their pairs (bench/RESULTS.md).
@@ -34,6 +37,7 @@ class Levers:
     progress_every: int = 10  # steps between progress-bar updates (formatting the losses syncs with the GPU)
     cudnn_benchmark: bool = True  # autotuned convolutions instead of upstream's deterministic algorithms
     channels_last: bool = False  # NHWC tensors for the convolutions (--channels-last)
+    cuda_graphs: bool = False  # forward and backward replayed as CUDA graphs, one GPU (yolov9_ddp/graphs.py)
 
 
 # the levers that change the arithmetic or let it vary from run to run: --deterministic turns them off

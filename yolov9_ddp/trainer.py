@@ -29,7 +29,7 @@ from utils.general import (LOGGER, TQDM_BAR_FORMAT, check_dataset, check_img_siz
                            labels_to_image_weights, methods, one_cycle, one_flat_cycle, strip_optimizer,
                            yaml_save)
 from utils.torch_utils import EarlyStopping, ModelEMA, smart_optimizer
-from yolov9_ddp import checkpoint, cli, comm, data, failures, position, runs, shutdown, slurm, stream
+from yolov9_ddp import checkpoint, cli, comm, data, failures, graphs, position, runs, shutdown, slurm, stream
 from yolov9_ddp.demo_data import ensure_demo_dataset
 from yolov9_ddp.ema import EmaUpdater, synchronize_ema
 from yolov9_ddp.levers import (DETERMINISTIC, fused_optimizer, record_levers, requested_levers, resumed_levers,
@@ -233,6 +233,7 @@ class Trainer:
         self.build_optimizer()
         self.build_loaders(gs)
         self.wrap_model()  # DDP makes every rank's weights rank 0's
+        self.forward = graphs.GraphedModel(self.model) if self.levers.cuda_graphs else self.model
         self.ema = ModelEMA(self.raw_model)  # so the EMA starts identical on every rank
         self.update_ema = EmaUpdater(self.ema, self.raw_model, self.levers.foreach_ema)
         self.scaler = torch.amp.GradScaler('cuda', enabled=self.amp)
@@ -537,8 +538,8 @@ class Trainer:
         # micro-steps that do not step skip DDP's gradient all-reduce; the stepping one reduces the sum
         sync = nullcontext() if steps or self.world == 1 else self.model.no_sync()
         with sync:
-            with torch.amp.autocast('cuda', enabled=self.amp):
-                pred = self.model(imgs)
+            with torch.amp.autocast('cuda', enabled=self.amp, cache_enabled=not self.levers.cuda_graphs):
+                pred = self.forward(imgs)
                 loss, loss_items = self.compute_loss(pred, targets, **loss_inputs)
                 loss *= self.world  # DDP averages gradients over ranks; upstream's loss is a sum over the batch
                 if opt.quad:

@@ -1,0 +1,51 @@
+"""The lever cuda_graphs: the model's forward and backward replayed as CUDA graphs (torch.cuda.make_graphed_callables),
+the loss, the optimizer step and the EMA left eager. On one H200 the training thread issues the step's kernels more
+slowly than the GPU runs them (bench/RESULTS.md, "Where the loop's time goes"); a replay issues them all at once.
+
+    forward = GraphedModel(model)      # in Trainer, one process on a GPU; forward(imgs) instead of model(imgs)
+
+One capture per input shape: a run's batches share one, its last batch may have another (--multi-scale and --rect,
+whose shapes change every step, are refused). A capture runs the model forward and backward a few times on the
+batch it is given; BatchNorm's running statistics are put back afterwards, so the run's arithmetic stays its own.
+"""
+import torch
+
+
+def unsupported(opt, world_size: int) -> str:
+    """Why this run cannot train with cuda_graphs=1 ('' where it can)."""
+    if opt.device == 'cpu' or not torch.cuda.is_available():
+        return 'needs a CUDA device'
+    if world_size > 1:
+        return 'is measured on one GPU only (bench/RESULTS.md): train on one process, or without it'
+    if opt.multi_scale or opt.rect:
+        return 'needs one input shape for the run: not with --multi-scale or --rect'
+    return ''
+
+
+class GraphedModel:
+    """model(imgs) in training mode through the graph captured for imgs' shape and layout, captured on first use."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.graphed = model, {}
+        for parameter in model.parameters():
+            if parameter.requires_grad:  # the replay hands out its own gradient buffers; a .grad that took one over
+                parameter.register_hook(torch.clone)  # would add the next micro-step's gradient to itself
+
+    def __call__(self, imgs: torch.Tensor):
+        key = (tuple(imgs.shape), imgs.dtype, imgs.is_contiguous(memory_format=torch.channels_last))
+        if key not in self.graphed:
+            self.graphed[key] = capture(self.model, imgs)
+        return self.graphed[key](imgs)
+
+
+def capture(model: torch.nn.Module, sample: torch.Tensor):
+    """The graphed forward of model for inputs like sample. Call under autocast(cache_enabled=False) where the
+    training step autocasts: the graph records the casts of the context it is captured in."""
+    statistics = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    torch.cuda.make_graphed_callables(model, (sample.clone(),), allow_unused_input=True)
+    graphed = model.forward  # make_graphed_callables sets the module's forward to the graphed one: kept here ...
+    del model.forward  # ... and the module's own restored, so that copies, checkpoints and eval mode stay plain
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(statistics[name])  # the warm-up passes updated them
+    return graphed
