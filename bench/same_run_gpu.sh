@@ -2,13 +2,17 @@
 # Issue 21 on a GPU, as a user would run it: --deterministic training of yolov9-s on the bench's photographs,
 # uninterrupted, SIGTERMed inside an epoch and resumed (--save-on-signal), and SIGKILLed inside an epoch and
 # restarted by torchrun from its periodic checkpoint (--checkpoint-steps), and uninterrupted with 2 loader workers
-# instead of 4; their final full checkpoints (epoch2.pt: model, EMA, optimizer state) compared bit for bit. One device call (carry [".bench"]):
+# instead of 4, and uninterrupted with the lever cuda_graphs=1; their final full checkpoints (epoch2.pt: model, EMA,
+# optimizer state) compared bit for bit. One device call (carry [".bench"]):
 #
-#   bash bench/same_run_gpu.sh        writes $OUT/log.txt and $OUT/same_run.json
+#   bash bench/same_run_gpu.sh [RUN...]   RUN: stopped, killed, fewer-workers, graphs (all four if none are named);
+#                                         writes $OUT/log.txt and $OUT/same_run.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder for the results}"
 kit=$PWD work=/tmp/same-run
+runs=(${*:-stopped killed fewer-workers graphs})
+wanted() { [[ " ${runs[*]} " == *" $1 "* ]]; }
 exec > >(tee "$OUT/log.txt") 2>&1
 python3 bench/prepare_trees.py build "$work/trees" --carry .bench || exit 1
 python3 bench/photo_data.py "$work/photos" --train 480 --val 64 --scale 0.5 || exit 1
@@ -34,23 +38,32 @@ started=$SECONDS
 launch reference 0; wait $!; rc=$?; echo "reference: exit $rc after $((SECONDS - started)) s"
 [ "$rc" = 0 ] || { tail -30 "$work/reference.log"; exit 1; }
 
-launch stopped 0 --save-on-signal --checkpoint-steps 5; pid=$!
-when_past stopped 1 5 $pid; kill -TERM $pid; wait $pid; echo "stopped: exit $? (SIGTERM inside epoch 1)"
-grep -a 'stopped on SIGTERM' "$work/stopped.log"
-setsid python3 -m torch.distributed.run --standalone --nproc_per_node 1 ddp_train_dual.py --resume "$work/runs/stopped/weights/last.pt" \
-    > "$work/stopped-resume.log" 2>&1; echo "stopped, resumed: exit $?"
-grep -a 'resuming epoch' "$work/stopped-resume.log"
-
-launch killed 1 --checkpoint-steps 5; pid=$!
-when_past killed 1 5 $pid
-worker=$(pgrep -P "$pid" -f ddp_train_dual.py | head -1)
-kill -KILL "$worker"; echo "killed: SIGKILL to the training process $worker inside epoch 1"
-wait $pid; echo "killed, restarted by torchrun: exit $?"
-grep -a 'resuming epoch' "$work/killed.log"
-launch fewer-workers 0 --workers 2; wait $!; echo "fewer-workers (2 loader workers instead of 4): exit $?"
+if wanted stopped; then
+  launch stopped 0 --save-on-signal --checkpoint-steps 5; pid=$!
+  when_past stopped 1 5 $pid; kill -TERM $pid; wait $pid; echo "stopped: exit $? (SIGTERM inside epoch 1)"
+  grep -a 'stopped on SIGTERM' "$work/stopped.log"
+  setsid python3 -m torch.distributed.run --standalone --nproc_per_node 1 ddp_train_dual.py --resume "$work/runs/stopped/weights/last.pt" \
+      > "$work/stopped-resume.log" 2>&1; echo "stopped, resumed: exit $?"
+  grep -a 'resuming epoch' "$work/stopped-resume.log"
+fi
+if wanted killed; then
+  launch killed 1 --checkpoint-steps 5; pid=$!
+  when_past killed 1 5 $pid
+  worker=$(pgrep -P "$pid" -f ddp_train_dual.py | head -1)
+  kill -KILL "$worker"; echo "killed: SIGKILL to the training process $worker inside epoch 1"
+  wait $pid; echo "killed, restarted by torchrun: exit $?"
+  grep -a 'resuming epoch' "$work/killed.log"
+fi
+if wanted fewer-workers; then
+  launch fewer-workers 0 --workers 2; wait $!; echo "fewer-workers (2 loader workers instead of 4): exit $?"
+fi
+if wanted graphs; then
+  started_graphs=$SECONDS
+  launch graphs 0 --levers cuda_graphs=1; wait $!; echo "graphs (--levers cuda_graphs=1): exit $? after $((SECONDS - started_graphs)) s"
+fi
 nvidia-smi --query-gpu=name --format=csv,noheader
 
-python3 - "$work/runs" "$OUT/same_run.json" <<'PY'
+python3 - "$work/runs" "$OUT/same_run.json" "${runs[@]}" <<'PY'
 import json, sys
 from pathlib import Path
 import torch
@@ -66,7 +79,7 @@ def tensors(name):
 
 reference, updates = tensors('reference')
 report = {'gpu': torch.cuda.get_device_name(0), 'tensors': len(reference), 'updates': updates}
-for name in ('stopped', 'killed', 'fewer-workers'):
+for name in sys.argv[3:]:
     other, other_updates = tensors(name)
     differ = [k for k in reference if not torch.equal(reference[k], other[k])]
     report[name] = {'updates': other_updates, 'differing_tensors': len(differ), 'first': differ[:5]}
