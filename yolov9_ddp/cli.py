@@ -201,8 +201,9 @@ def check_options(opt, world_size: int, task):
         levers = levers_for(opt)
     except ValueError as e:
         raise UsageError(str(e)) from e
-    if levers.cuda_graphs and graphs.unsupported(opt, world_size):
-        raise UsageError(f'--levers cuda_graphs=1 {graphs.unsupported(opt, world_size)}')
+    unsupported = levers.cuda_graphs and graphs.unsupported(opt, world_size)
+    if unsupported:
+        raise UsageError(f'--levers cuda_graphs=1 {unsupported}')
     for flag in ('data', 'hyp', 'weights'):
         value = getattr(opt, flag)
         if value and not opt.resume and not str(value).startswith(('http://', 'https://')) \
