@@ -142,6 +142,42 @@ def test_cuda_graphs_is_refused_in_one_line_where_it_cannot_work(tmp_path, monke
     assert graphs.unsupported(cli.parse_args(['--device', '0'], tmp_path, TASKS['detect-dual']), 1) == ''
 
 
+class StaticGradients(torch.autograd.Function):
+    """What a replayed CUDA graph's backward does: it hands out the same gradient buffer every time."""
+
+    @staticmethod
+    def forward(ctx, x, weight, buffer):
+        ctx.save_for_backward(x)
+        ctx.buffer = buffer
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, = ctx.saved_tensors
+        ctx.buffer.copy_(grad.t() @ x)
+        return None, ctx.buffer.detach(), None
+
+
+def static_gradient_capture(model, sample):
+    buffer = torch.empty_like(model.weight)
+    return lambda x: StaticGradients.apply(x, model.weight, buffer)
+
+
+def test_cuda_graphs_accumulates_gradients_over_micro_steps_as_eager():
+    """A .grad that took the replay's buffer over would add the next micro-step's gradient to itself (found on an
+    H200: bench/RESULTS.md, "Lever: CUDA graphs")."""
+    torch.manual_seed(0)
+    model, batches = torch.nn.Linear(4, 3, bias=False), [torch.randn(5, 4) for _ in range(3)]
+
+    def accumulated(forward):
+        model.weight.grad = None
+        for batch in batches:
+            forward(batch).square().sum().backward()
+        return model.weight.grad.clone()
+    eager = accumulated(model)
+    assert torch.equal(accumulated(graphs.GraphedModel(model, capture=static_gradient_capture)), eager)
+
+
 def test_a_run_records_every_lever_in_its_options():
     opt = options('cudnn_benchmark=0,progress_every=3')
     levers = record_levers(opt)

@@ -25,8 +25,8 @@ def unsupported(opt, world_size: int) -> str:
 class GraphedModel:
     """model(imgs) in training mode through the graph captured for imgs' shape and layout, captured on first use."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model, self.graphed = model, {}
+    def __init__(self, model: torch.nn.Module, capture=None):
+        self.model, self.graphed, self.capture = model, {}, capture or capture_graphs  # tests capture without CUDA
         for parameter in model.parameters():
             if parameter.requires_grad:  # the replay hands out its own gradient buffers; a .grad that took one over
                 parameter.register_hook(torch.clone)  # would add the next micro-step's gradient to itself
@@ -34,11 +34,11 @@ class GraphedModel:
     def __call__(self, imgs: torch.Tensor):
         key = (tuple(imgs.shape), imgs.dtype, imgs.is_contiguous(memory_format=torch.channels_last))
         if key not in self.graphed:
-            self.graphed[key] = capture(self.model, imgs)
+            self.graphed[key] = self.capture(self.model, imgs)
         return self.graphed[key](imgs)
 
 
-def capture(model: torch.nn.Module, sample: torch.Tensor):
+def capture_graphs(model: torch.nn.Module, sample: torch.Tensor):
     """The graphed forward of model for inputs like sample. Call under autocast(cache_enabled=False) where the
     training step autocasts: the graph records the casts of the context it is captured in."""
     statistics = {name: buffer.clone() for name, buffer in model.named_buffers()}
