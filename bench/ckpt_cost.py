@@ -29,7 +29,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.gpu_step import TASK, fixed_batch  # noqa: E402
+from bench.gpu_step import TASK, kit_trainer  # noqa: E402
 from yolov9_ddp import checkpoint, cli, comm, position  # noqa: E402
 
 
@@ -104,12 +104,8 @@ def main():
     args, train_args = p.parse_known_args()
     opt = cli.parse_args(train_args, ROOT, TASK)
     device = comm.select_device(opt.device)
-    from yolov9_ddp.trainer import plan_start, prepare_trainer
     with comm.process_group(device):
-        trainer = prepare_trainer(TASK, opt, device, plan_start(opt))
-        images, targets = fixed_batch(trainer.dataset, 0, trainer.batch_size, opt.seed)
-        images, targets = images.to(device).float() / 255, targets.to(device)
-        trainer.model.train()
+        trainer, images, targets = kit_trainer(opt, device)
         step = lambda i: trainer.train_step(trainer.nb + i, 1, images, targets)  # noqa: E731
         for i in range(20):  # warm-up: cudnn's autotuning, the optimizer's momentum buffers
             step(i)

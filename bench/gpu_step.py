@@ -65,8 +65,8 @@ def time_steps(step, warmup: int, steps: int, cuda: bool) -> dict:
     return {'warmup_s': round(warmed - started, 2), 'steps_s': time.perf_counter() - warmed}
 
 
-def kit_step(opt, device):
-    """The kit's Trainer.train_step on a fixed batch, at the iterations of its second epoch."""
+def kit_trainer(opt, device):
+    """(the kit's Trainer in training mode, this rank's share of a fixed batch on the device, its targets)."""
     from yolov9_ddp.trainer import plan_start, prepare_trainer
     trainer = prepare_trainer(TASK, opt, device, plan_start(opt))
     per_rank = trainer.batch_size // trainer.world
@@ -75,9 +75,14 @@ def kit_step(opt, device):
     images = images.to(device, non_blocking=pin).float() / 255
     if trainer.levers.channels_last:
         images = images.contiguous(memory_format=torch.channels_last)
-    targets = targets.to(device, non_blocking=pin)
     trainer.model.train()
-    return lambda i: trainer.train_step(trainer.nb + i, 1, images, targets), per_rank, trainer.world
+    return trainer, images, targets.to(device, non_blocking=pin)
+
+
+def kit_step(opt, device):
+    """The kit's Trainer.train_step on a fixed batch, at the iterations of its second epoch."""
+    trainer, images, targets = kit_trainer(opt, device)
+    return (lambda i: trainer.train_step(trainer.nb + i, 1, images, targets), len(images), trainer.world)
 
 
 def upstream_step(opt, device):

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Does the lever cuda_graphs change the arithmetic? Two micro-steps (forward, loss, backward; gradients accumulated) of the kit's trainer
-on a fixed batch, eager twice and graphed twice from the same weights and BatchNorm statistics, --deterministic:
-which model outputs and parameter gradients differ, and by how much.
+"""Does the lever cuda_graphs change the arithmetic? Two micro-steps (forward, loss, backward; gradients
+accumulated) of the kit's trainer on a fixed batch, eager twice and graphed twice from the same weights and
+BatchNorm statistics, --deterministic: which model outputs and parameter gradients differ, and by how much.
 
     cd KIT_TREE && python bench/graphs_equal.py OUT.json ARGS      ARGS: ddp_train_dual.py's (--data, --cfg, ...)
 """
 import copy
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -16,8 +17,9 @@ sys.path.insert(1, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
-from gpu_step import TASK, fixed_batch  # noqa: E402
+from gpu_step import TASK, kit_trainer  # noqa: E402
 from yolov9_ddp import cli, comm, graphs  # noqa: E402
+from yolov9_ddp.levers import CUBLAS_WORKSPACE  # noqa: E402
 
 
 def micro_steps(trainer, forward, state, images, targets, count=2):
@@ -47,15 +49,10 @@ def main():
     out, args = Path(sys.argv[1]), sys.argv[2:]
     opt = cli.parse_args([*args, '--deterministic'], Path.cwd(), TASK)
     cli.check_options(opt, 1, TASK)
-    import os
-    os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
+    os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', CUBLAS_WORKSPACE)  # before CUDA starts, as entry.py
     device = comm.select_device(opt.device)
     with comm.process_group(device):
-        from yolov9_ddp.trainer import plan_start, prepare_trainer
-        trainer = prepare_trainer(TASK, opt, device, plan_start(opt))
-        images, targets = fixed_batch(trainer.dataset, 0, trainer.batch_size, opt.seed)
-        images, targets = images.to(device).float() / 255, targets.to(device)
-        trainer.raw_model.train()
+        trainer, images, targets = kit_trainer(opt, device)
         state = copy.deepcopy(trainer.raw_model.state_dict())
         eager = [micro_steps(trainer, trainer.raw_model, state, images, targets) for _ in range(2)]
         graphed_model = graphs.GraphedModel(trainer.raw_model)
