@@ -8,7 +8,7 @@ import pytest
 
 from testsupport.jobs import run_probe, train_args
 from yolov9_ddp.samplers import ShardBatchSampler
-from yolov9_ddp.stream import repeats_per_epoch
+from yolov9_ddp.stream import epoch_order, rank_share, repeats_per_epoch, steps_per_epoch
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -32,43 +32,49 @@ def test_shard_batch_sampler_is_contiguous_unpadded_and_batch_aligned(num_items,
     assert max(sizes) - min(sizes) <= 1
 
 
+SEED, BATCH, WORLD, EPOCHS = 1, 4, 2, 3
+
+
 @pytest.fixture(scope='module')
-def sampler_runs(patched_tree, dataset, tmp_path_factory):
-    """The training loader of 2 ranks over 3 epochs, twice with seed 0 and once with seed 1."""
+def sampler_run(patched_tree, dataset, tmp_path_factory):
+    """What the training loader of 2 ranks yields over 3 epochs with --seed 1, from a fresh label cache. That a
+    second run reads the cache is test_faults' two-node job's assertion; that the order is a function of (seed,
+    epoch) alone, test_stream's: here the job's order is compared with that function's."""
     out = tmp_path_factory.mktemp('sampler')
     for cache in dataset.parent.glob('labels/*.cache'):
         cache.unlink()  # so the probe shows who builds it
+    args = train_args(dataset, out / 'run', EPOCHS, BATCH, 64, '--seed', SEED)
+    return [rank['sampler'] for rank in run_probe(patched_tree, WORLD, 'sampler', out / 'run.json', args,
+                                                  {'epochs': EPOCHS})]
 
-    def run(name, seed):
-        args = train_args(dataset, out / name, 3, 4, 64, '--seed', seed)
-        return [rank['sampler'] for rank in run_probe(patched_tree, 2, 'sampler', out / f'{name}.json', args,
-                                                      {'epochs': 3})]
-    return run('a', 0), run('b', 0), run('c', 1)
+
+def stream_order(files: list, seed: int, epoch: int, rank: int) -> list:
+    """The images rank trains in epoch, by yolov9_ddp.stream's functions."""
+    order = epoch_order(len(files), seed, epoch)
+    return [files[order[p % len(files)]] for step in range(steps_per_epoch(len(files), BATCH))
+            for p in rank_share(len(files), BATCH, step, rank, WORLD)]
 
 
 @pytest.mark.slow
-def test_each_training_image_is_drawn_once_per_epoch_across_ranks(sampler_runs):
-    first, _, _ = sampler_runs
-    files = first[0]['files']
-    for epoch in range(3):
-        drawn = [p for rank in first for p in rank['epochs'][epoch]]
+def test_each_training_image_is_drawn_once_per_epoch_across_ranks(sampler_run):
+    files = sampler_run[0]['files']
+    for epoch in range(EPOCHS):
+        drawn = [p for rank in sampler_run for p in rank['epochs'][epoch]]
         counts = Counter(drawn)
         assert set(counts) == set(files)
-        assert len(drawn) - len(files) == repeats_per_epoch(len(files), 4, 2) == 1  # 45 = 11 x 4 + 1 on 2 ranks
+        assert len(drawn) - len(files) == repeats_per_epoch(len(files), BATCH, WORLD) == 1  # 45 = 11 x 4 + 1
 
 
 @pytest.mark.cores
-def test_order_changes_every_epoch_and_repeats_with_the_same_seed(sampler_runs):
-    first, again, other_seed = sampler_runs
-    orders = [[rank['epochs'][e] for rank in first] for e in range(3)]
-    assert orders[0] != orders[1] != orders[2]
-    assert [r['epochs'] for r in first] == [r['epochs'] for r in again]
-    assert [r['epochs'] for r in first] != [r['epochs'] for r in other_seed]
+def test_order_changes_every_epoch_and_follows_the_seed(sampler_run):
+    files = sampler_run[0]['files']
+    drawn = [[rank['epochs'][epoch] for rank in sampler_run] for epoch in range(EPOCHS)]
+    assert drawn[0] != drawn[1] != drawn[2]
+    assert drawn == [[stream_order(files, SEED, e, r) for r in range(WORLD)] for e in range(EPOCHS)]
+    assert drawn != [[stream_order(files, 0, e, r) for r in range(WORLD)] for e in range(EPOCHS)]  # not a fixed seed
 
 
 @pytest.mark.cores
-def test_label_cache_is_built_by_rank_0_only(sampler_runs):
-    first, again, _ = sampler_runs
-    builds = [b for rank in first for b in rank['cache_builds']]
+def test_label_cache_is_built_by_rank_0_only(sampler_run):
+    builds = [b for rank in sampler_run for b in rank['cache_builds']]
     assert sorted(builds) == sorted([[0, p] for p in {b[1] for b in builds}]) and len(builds) == 2  # train, val
-    assert [b for rank in again for b in rank['cache_builds']] == []  # the second run reads it
