@@ -1,11 +1,14 @@
 """A few DDP training steps (gloo, one process per torchrun rank) of a tiny segmentation model with upstream's loss,
 where every batch of rank 1 has no targets and no masks: what stopped segmentation under DDP (yolov9#559).
 
-    torchrun --nproc_per_node 2 ddp_no_targets.py LOSS_MODULE CFG STATIC_GRAPH     (cwd: a YOLOv9 tree)
+    torchrun --nproc_per_node 2 ddp_no_targets.py LOSS_MODULE CFG STATIC_GRAPH [LOSS_MODULE CFG STATIC_GRAPH ...]
+                                                                                    (cwd: a YOLOv9 tree)
 
 LOSS_MODULE is upstream's segmentation loss (utils.segment.loss_tal or utils.segment.loss_tal_dual); STATIC_GRAPH is
-0 (the kit's DDP) or 1 (upstream's smart_DDP). Rank 0 prints 'trained N steps' when every step finished. The tree
-need not hold the kit: the tests run this in the pinned tree patched without 0012 too.
+0 (the kit's DDP) or 1 (upstream's smart_DDP). The cases run one after the other in one process group (one job
+start for all); rank 0 prints 'trained N steps: LOSS_MODULE CFG STATIC_GRAPH' when every step of a case finished.
+A case that fails ends the job, as it ends a training. The tree need not hold the kit: the tests run this in the
+pinned tree patched without 0012 too.
 """
 import importlib
 import sys
@@ -37,10 +40,7 @@ def batch(rank: int):
     return images, torch.tensor([[0, 0, 0.5, 0.5, 0.5, 0.5], [1, 2, 0.375, 0.375, 0.25, 0.25]]), masks
 
 
-def main():
-    loss_module, cfg, static_graph = sys.argv[1], sys.argv[2], sys.argv[3] == '1'
-    dist.init_process_group('gloo', timeout=timedelta(seconds=60))
-    rank = dist.get_rank()
+def train(rank: int, loss_module: str, cfg: str, static_graph: bool):
     torch.manual_seed(0)
     model = Model(cfg, ch=3, nc=3).train()
     model.hyp = yaml.safe_load((ROOT / 'data' / 'hyps' / 'hyp.scratch-high.yaml').read_text())
@@ -53,9 +53,17 @@ def main():
         loss, _ = compute_loss(ddp(images), targets, masks)
         loss.backward()
         optimizer.step()
-    dist.barrier()
-    if rank == 0:
-        print(f'trained {STEPS} steps')
+
+
+def main():
+    cases = sys.argv[1:]
+    dist.init_process_group('gloo', timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    for loss_module, cfg, static_graph in zip(*[iter(cases)] * 3):
+        train(rank, loss_module, cfg, static_graph == '1')
+        dist.barrier()
+        if rank == 0:
+            print(f'trained {STEPS} steps: {loss_module} {cfg} {static_graph}', flush=True)
     dist.destroy_process_group()
 
 
