@@ -1,6 +1,6 @@
 """Rank-0 atomic checkpoints, --resume under torchrun, the automatic resume after torchrun restarts
-workers that were killed (--max-restarts), and a resume on another number of processes with the run's own
-options (issue 21)."""
+workers that were killed (--max-restarts), and which options a resume takes from the run (issue 21; a resume on
+another number of processes with the run's own options is a job of tests/test_same_run.py)."""
 import os
 import signal
 import subprocess
@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from testsupport.faults import (completed_run_problems, faulty_torchrun, one_error_line_problems, refusal_problems,
-                                results_epochs, start_job, weights_snapshot)
+from testsupport.faults import faulty_torchrun, one_error_line_problems, results_epochs, weights_snapshot
 from testsupport.jobs import job_env, run, torchrun_cmd, train_args
 from yolov9_ddp import checkpoint, cli, runs
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
@@ -205,32 +204,3 @@ def test_a_resume_keeps_the_runs_options_but_the_start_options_given_for_it(tmp_
     assert (resumed['checkpoint_minutes'], resumed['checkpoint_steps']) == (5.0, 200)  # given / the run's
     # --epochs and --hyp say what the run has; --resume, --workers and --checkpoint-minutes are this start's
     assert runs.overruled_flags(options, recorded, given) == ['--batch-size 16 (the run has 12)']
-
-
-@pytest.mark.slow
-def test_a_run_resumes_on_another_number_of_processes_with_its_own_options(patched_tree, tmp_path):
-    """A 2-process run with global batch 12 (6 per process) and --device cpu, resumed with `torchrun
-    --nproc_per_node 3 ddp_train_dual.py --resume last.pt` (nothing else): 4 images per process, its own device,
-    data and epochs. 5 processes cannot split 12 images and are refused before anything is written."""
-    data = ensure_demo_dataset(tmp_path / 'demo', DemoSpec(train=24, val=12, imgsz=64))  # 2 steps an epoch
-    project = tmp_path / 'runs'
-    first = start_job(faulty_torchrun(2, train_args(data, project, 2, 12, 64)), patched_tree, tmp_path, 'first',
-                      'kill:rank=1:where=step:epoch=1:step=0')  # leaves last.pt of epoch 0
-    assert first.wait(300) != 0 and first.events('fired'), first.output()[-4000:]
-    run_dir = project / 'exp'
-    last = run_dir / 'weights' / 'last.pt'
-
-    before, rows, options = weights_snapshot(run_dir), results_epochs(run_dir), (run_dir / 'opt.yaml').read_text()
-    refused = start_job(torchrun_cmd(5, 'ddp_train_dual.py', '--resume', last), patched_tree, tmp_path, 'five')
-    refused.wait(120)
-    assert not refusal_problems(refused, run_dir, before, rows, 'global batch 12 cannot be split over 5 processes; '
-                                'it can over 1, 2, 3, 4, 6 or 12'), refused.output()[-4000:]
-    assert (run_dir / 'opt.yaml').read_text() == options
-
-    resumed = start_job(torchrun_cmd(3, 'ddp_train_dual.py', '--resume', last), patched_tree, tmp_path, 'three')
-    assert resumed.wait(300) == 0, resumed.output()[-4000:]
-    output = resumed.output()
-    assert 'resuming epoch 1 at step ' in output and '3 process(es), batch 12 (4 per process)' in output, output[-4000:]
-    assert output.count('BatchNorm statistics now come from 4 images per process, not 6') == 1, output[-4000:]
-    assert 'generating demo dataset' not in output  # --resume without --data: the run's data
-    assert not completed_run_problems(project, 2)

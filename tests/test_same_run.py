@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from testsupport.faults import Job, completed_run_problems, differences, final_state, node_cmd, start_job
+from testsupport.faults import (Job, completed_run_problems, differences, final_state, node_cmd, refusal_problems,
+                               results_epochs, start_job, weights_snapshot)
 from testsupport.jobs import free_port, torchrun_cmd, train_args
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
@@ -173,7 +174,10 @@ def lose(agent: Job):
 
 def test_a_run_continues_on_3_processes_and_on_2_again_training_every_image_once_per_epoch(patched_tree, data,
                                                                                            tmp_path):
-    """Global batch 12: 4 images a rank on 3 processes, 6 on 2; 40 = 3 x 12 + 4 images, no repeat on 2 or 3."""
+    """Global batch 12: 4 images a rank on 3 processes, 6 on 2; 40 = 3 x 12 + 4 images, no repeat on 2 or 3. Each
+    start is `torchrun --nproc_per_node W ddp_train_dual.py --resume last.pt`, nothing else: the run's own batch,
+    device, data and epochs (opt.yaml). 5 processes cannot split 12 images and are refused before anything is
+    written."""
     project, records = tmp_path / 'runs', tmp_path / 'records'
     records.mkdir()
     run_dir, last = project / 'exp', project / 'exp' / 'weights' / 'last.pt'
@@ -181,12 +185,24 @@ def test_a_run_continues_on_3_processes_and_on_2_again_training_every_image_once
     job = launch(patched_tree, tmp_path, 'two', 2, args(data, project, '--save-on-signal', '--checkpoint-steps', 1,
                                                         batch=12), **common)
     stopped(job, run_dir, [0, 1])
+
+    before, rows, options = weights_snapshot(run_dir), results_epochs(run_dir), (run_dir / 'opt.yaml').read_text()
+    five = launch(patched_tree, tmp_path, 'five', 5, ['--resume', last])
+    five.wait(DEADLINE_S)
+    assert not refusal_problems(five, run_dir, before, rows, 'global batch 12 cannot be split over 5 processes; '
+                                'it can over 1, 2, 3, 4, 6 or 12'), five.output()[-4000:]
+    assert (run_dir / 'opt.yaml').read_text() == options
+
     three = stopped(launch(patched_tree, tmp_path, 'three', 3, ['--resume', last], **common), run_dir, [1, 1])
     two = finished(launch(patched_tree, tmp_path, 'two-again', 2, ['--resume', last], **common))
-    assert 'the run continues on 3 process(es) instead of 2: BatchNorm statistics now come from 4 images' in three
+    assert '3 process(es), batch 12 (4 per process)' in three, three[-4000:]
+    assert three.count('the run continues on 3 process(es) instead of 2: BatchNorm statistics now come from 4 images '
+                       'per process, not 6') == 1, three[-4000:]
     assert 'the run continues on 2 process(es) instead of 3' in two
     for output in (three, two):
         assert len(re.findall(r'resuming epoch \d+ at step \d+ of 4 from', output)) == 1, output[-3000:]
+        assert 'generating demo dataset' not in output  # --resume without --data: the run's data
+    assert completed_run_problems(project, EPOCHS) == []
     keys = [tuple(map(int, line.split())) for f in records.iterdir() for line in f.read_text().splitlines()]
     assert {f.name.split('-')[0] for f in records.iterdir()} == {'rank0', 'rank1', 'rank2'}
     for epoch in range(EPOCHS):
