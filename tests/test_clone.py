@@ -107,6 +107,7 @@ def clone(pristine_tree) -> Path:
 # -- local edits ---------------------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.one_core  # one process at a time
 @pytest.mark.parametrize('committed', [False, True], ids=['uncommitted', 'committed'])
 def test_a_custom_block_in_models_common_is_merged_in_and_given_back(pin, clone, tmp_path, offline_env, committed):
     common = clone / 'models' / 'common.py'
@@ -212,6 +213,7 @@ def move_upstream(repo: Path, change: str):
 
 
 @pytest.mark.slow
+@pytest.mark.one_core  # one process at a time
 @pytest.mark.parametrize('history', ['clone', 'copy'], ids=['git-clone', 'copy-without-git'])
 def test_another_revision_is_applied_only_with_the_flag_and_recorded(pin, pristine_tree, tmp_path, offline_env,
                                                                     history):

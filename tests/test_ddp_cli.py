@@ -226,6 +226,7 @@ def test_legacy_torch_distributed_launch_trains(patched_tree, demo_data, tmp_pat
 # -- 4. the demo dataset when no --data is given -----------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.one_core  # one process at a time
 def test_without_data_trains_on_the_generated_demo_dataset(patched_tree, offline_env, tmp_path):
     demo, project = tmp_path / 'demo', tmp_path / 'runs'
     before = sorted(p.name for p in patched_tree.iterdir())

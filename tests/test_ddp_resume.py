@@ -168,6 +168,7 @@ def test_torchrun_restart_after_a_killed_worker_resumes_by_itself(patched_tree, 
 
 
 @pytest.mark.slow
+@pytest.mark.one_core  # one process at a time
 def test_restart_of_a_finished_job_does_not_train_again(patched_tree, dataset, tmp_path, monkeypatch):
     project = tmp_path / 'runs'
     args = list(map(str, train_args(dataset, project, 1, 4, 64)))

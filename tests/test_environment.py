@@ -186,6 +186,7 @@ def banner_lines(output: str) -> list:
 
 @pytest.mark.smoke
 @pytest.mark.slow
+@pytest.mark.one_core  # one process at a time
 def test_one_process_without_device_trains_on_the_cpu_and_says_why(patched_tree, args):
     result = launch(patched_tree, 1, args, CUDA_VISIBLE_DEVICES='')
     assert result.returncode == 0, describe(result)

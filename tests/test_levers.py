@@ -3,6 +3,7 @@ are an option recorded with it (opt.yaml, checkpoints) that a resume keeps."""
 import shutil
 import sys
 from argparse import Namespace
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 
 import pytest
@@ -223,8 +224,8 @@ def final_weights(tree, data, project, *extra) -> dict:
 @pytest.mark.usefixtures('upstream_importable')
 @pytest.mark.slow
 def test_two_deterministic_runs_end_with_bit_identical_weights(patched_tree, demo_data, tmp_path):
-    first = final_weights(patched_tree, demo_data, tmp_path / 'first')
-    again = final_weights(patched_tree, demo_data, tmp_path / 'again')
+    with ThreadPoolExecutor(2) as pool:  # side by side: the test holds both cores
+        first, again = pool.map(lambda name: final_weights(patched_tree, demo_data, tmp_path / name), ('first', 'again'))
     assert first.keys() == again.keys()
     for name, tensor in first.items():
         assert torch.equal(tensor, again[name]), f'{name} differs between two --deterministic runs'
