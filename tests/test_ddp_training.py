@@ -65,7 +65,7 @@ def test_each_training_image_is_drawn_once_per_epoch_across_ranks(sampler_run):
         assert len(drawn) - len(files) == repeats_per_epoch(len(files), BATCH, WORLD) == 1  # 45 = 11 x 4 + 1
 
 
-@pytest.mark.cores
+@pytest.mark.slow
 def test_order_changes_every_epoch_and_follows_the_seed(sampler_run):
     files = sampler_run[0]['files']
     drawn = [[rank['epochs'][epoch] for rank in sampler_run] for epoch in range(EPOCHS)]
@@ -74,7 +74,7 @@ def test_order_changes_every_epoch_and_follows_the_seed(sampler_run):
     assert drawn != [[stream_order(files, 0, e, r) for r in range(WORLD)] for e in range(EPOCHS)]  # not a fixed seed
 
 
-@pytest.mark.cores
+@pytest.mark.slow
 def test_label_cache_is_built_by_rank_0_only(sampler_run):
     builds = [b for rank in sampler_run for b in rank['cache_builds']]
     assert sorted(builds) == sorted([[0, p] for p in {b[1] for b in builds}]) and len(builds) == 2  # train, val

@@ -163,7 +163,7 @@ def test_processes_without_device_cpu_under_a_too_old_driver_fail_with_one_line(
                    'The NVIDIA driver on your system is too old (found version 11040)', 'add --device cpu')
 
 
-@pytest.mark.cores
+@pytest.mark.slow
 @pytest.mark.smoke
 def test_a_torch_below_the_floor_is_refused_in_one_line(patched_tree, args):
     """Rank 0 starts late: rank 1 finds the old torch first and must not exit (torchrun would then stop rank 0)

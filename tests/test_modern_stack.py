@@ -125,6 +125,8 @@ def test_train_dual_trains_two_epochs_offline_and_writes_its_outputs(patched_tre
 HIDE = 'import sys; sys.modules[{name!r}] = None  # as if not installed, whatever this environment has\n'
 
 
+@pytest.mark.slow
+@pytest.mark.one_core  # one process at a time
 def test_0001_utils_general_works_without_pkg_resources(pristine_tree, patched_tree, offline_env, tmp_path):
     requirements = tmp_path / 'requirements.txt'
     requirements.write_text('numpy>=1.0  # a comment\n\nPillow>=10.0\n')
@@ -283,6 +285,8 @@ print(repr(round(float(ap), 12)))
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.one_core  # one process at a time
 def test_0006_average_precision_is_integrated_with_trapezoid_on_numpy_2(tree_without, patched_tree, offline_env):
     assert not hasattr(np, 'trapz'), 'this numpy still has np.trapz: the numpy 2 claim is untested'
     assert_fix(tree_without(6), patched_tree, AVERAGE_PRECISION, offline_env, ['trapz'], expected='0.6')

@@ -78,7 +78,7 @@ def test_every_rank_sees_upstreams_ram_cache_bit_for_bit(probe_runs, upstream_di
         assert rank['digests'] == upstream_digests
 
 
-@pytest.mark.cores
+@pytest.mark.slow
 def test_the_node_holds_one_copy_with_two_ranks_as_with_one(probe_runs):
     one, two = probe_runs(1)[0]['node'], probe_runs(2)[0]['node']
     assert one['cache_files'] == two['cache_files'] == 2, 'one cache file each for the train and the val images'
