@@ -2,16 +2,17 @@
 # Issue 21 on a GPU, as a user would run it: --deterministic training of yolov9-s on the bench's photographs,
 # uninterrupted, SIGTERMed inside an epoch and resumed (--save-on-signal), and SIGKILLed inside an epoch and
 # restarted by torchrun from its periodic checkpoint (--checkpoint-steps), and uninterrupted with 2 loader workers
-# instead of 4, and uninterrupted with the lever cuda_graphs=1; their final full checkpoints (epoch2.pt: model, EMA,
-# optimizer state) compared bit for bit. One device call (carry [".bench"]):
+# instead of 4; their final full checkpoints (epoch2.pt: model, EMA, optimizer state) compared bit for bit. One device
+# call (carry [".bench"]). (Its run `graphs`, with the lever cuda_graphs=1, went when --deterministic came to refuse
+# the lever: bench/RESULTS.md, calls 7 and 8.)
 #
-#   bash bench/same_run_gpu.sh [RUN...]   RUN: stopped, killed, fewer-workers, graphs (all four if none are named);
+#   bash bench/same_run_gpu.sh [RUN...]   RUN: stopped, killed, fewer-workers (all three if none are named);
 #                                         writes $OUT/log.txt and $OUT/same_run.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder for the results}"
 kit=$PWD work=/tmp/same-run
-runs=(${*:-stopped killed fewer-workers graphs})
+runs=(${*:-stopped killed fewer-workers})
 wanted() { [[ " ${runs[*]} " == *" $1 "* ]]; }
 exec > >(tee "$OUT/log.txt") 2>&1
 python3 bench/prepare_trees.py build "$work/trees" --carry .bench || exit 1
@@ -56,10 +57,6 @@ if wanted killed; then
 fi
 if wanted fewer-workers; then
   launch fewer-workers 0 --workers 2; wait $!; echo "fewer-workers (2 loader workers instead of 4): exit $?"
-fi
-if wanted graphs; then
-  started_graphs=$SECONDS
-  launch graphs 0 --levers cuda_graphs=1; wait $!; echo "graphs (--levers cuda_graphs=1): exit $? after $((SECONDS - started_graphs)) s"
 fi
 nvidia-smi --query-gpu=name --format=csv,noheader
 

@@ -140,6 +140,7 @@ def test_cuda_graphs_is_refused_in_one_line_where_it_cannot_work(tmp_path, monke
     assert 'one GPU only' in refusal('--device', '0,1', world=2)
     for flag in ('--multi-scale', '--rect'):
         assert refusal(flag).endswith('needs one input shape for the run: not with --multi-scale or --rect')
+    assert 'not offered with --deterministic' in refusal('--device', '0', '--deterministic')
     assert graphs.unsupported(cli.parse_args(['--device', '0'], tmp_path, TASKS['detect-dual']), 1) == ''
 
 
