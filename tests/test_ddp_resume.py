@@ -2,6 +2,7 @@
 workers that were killed (--max-restarts), and which options a resume takes from the run (issue 21; a resume on
 another number of processes with the run's own options is a job of tests/test_same_run.py)."""
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,6 +108,25 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatc
     monkeypatch.undo()
     assert checkpoint.load_checkpoint(target)['epoch'] == 1
     assert [p.name for p in tmp_path.iterdir()] == ['last.pt']
+
+
+def test_a_copy_of_a_checkpoint_is_its_bytes_moved_into_place_whole(tmp_path, monkeypatch):
+    """best.pt and epochN.pt: the epoch's last.pt copied, not pickled again; a crash mid-copy keeps the old file."""
+    last, best = tmp_path / 'last.pt', tmp_path / 'best.pt'
+    checkpoint.save_atomic({'epoch': 2, 'model': torch.ones(3)}, last)
+    checkpoint.save_atomic({'epoch': 1, 'model': torch.zeros(3)}, best)
+    checkpoint.copy_atomic(last, best)
+    assert best.read_bytes() == last.read_bytes()
+
+    def dies_half_way(source, target, length):
+        target.write(source.read(10))
+        raise KeyboardInterrupt
+    monkeypatch.setattr(shutil, 'copyfileobj', dies_half_way)
+    checkpoint.save_atomic({'epoch': 3, 'model': torch.ones(3)}, last)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.copy_atomic(last, best)
+    assert checkpoint.load_checkpoint(best)['epoch'] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['best.pt', 'last.pt']
 
 
 def test_a_truncated_checkpoint_is_reported_not_loaded(tmp_path):

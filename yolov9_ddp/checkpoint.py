@@ -13,6 +13,7 @@ CheckpointWriter writes it in a background thread, one write at a time, while tr
 import io
 import os
 import pickle
+import shutil
 import threading
 import time
 import zipfile
@@ -25,6 +26,7 @@ from yolov9_ddp.comm import Unanimous
 
 FORMAT = 'yolov9-ddp/1'
 RESUME_KEYS = ('epoch', 'model', 'ema', 'updates', 'optimizer', 'opt')
+COPY_CHUNK = 16 * 2 ** 20  # bytes
 
 
 class CheckpointError(Exception):
@@ -37,14 +39,28 @@ class ModelMismatch(CheckpointError, Unanimous):
 
 def save_atomic(obj, path: Path, keep_previous=False):
     """Write obj to path in one rename; with keep_previous the file it replaces stays as previous_path(path)."""
+    # Through a Python file object, whose writes let go of the GIL: given the file's name, torch's own writer holds
+    # it, and a background write cost the training thread 0.43 s a checkpoint instead of 0.28 s (bench/ckpt_cost.py
+    # on an H200, bench/results-raw/r3-1gpu-ckpt-cost.json).
+    write_atomic(path, lambda f: torch.save(obj, f), keep_previous)
+
+
+def copy_atomic(source: Path, path: Path):
+    """path becomes a copy of the checkpoint source, in one rename: the epoch's best.pt and epochN.pt are the bytes
+    of its last.pt, copied, not pickled again (pickling the model objects is most of what a save costs)."""
+    def copy(f):
+        with open(source, 'rb') as src:
+            shutil.copyfileobj(src, f, COPY_CHUNK)
+    write_atomic(path, copy)
+
+
+def write_atomic(path: Path, write, keep_previous=False):
+    """write(f) into a temporary file beside path, flushed to disk, then moved into place."""
     path = Path(path)
     tmp = temporary_path(path)
     try:
-        # Through a Python file object, whose writes let go of the GIL: given the file's name, torch's own writer
-        # holds it, and a background write cost the training thread 0.43 s a checkpoint instead of 0.28 s
-        # (bench/ckpt_cost.py on an H200, bench/results-raw/r3-1gpu-ckpt-cost.json).
         with open(tmp, 'wb') as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         if keep_previous and path.exists():

@@ -611,9 +611,9 @@ class Trainer:
         checkpoint.save_atomic(ckpt, self.last, keep_previous=True)
         self.record_saved(where)
         if fitness_of is not None and self.best_fitness == fitness_of:
-            checkpoint.save_atomic(ckpt, self.best)
+            checkpoint.copy_atomic(self.last, self.best)
         if fitness_of is not None and self.opt.save_period > 0 and epoch % self.opt.save_period == 0:
-            checkpoint.save_atomic(ckpt, self.weights_dir / f'epoch{epoch}.pt')
+            checkpoint.copy_atomic(self.last, self.weights_dir / f'epoch{epoch}.pt')
         self.callbacks.run('on_model_save', self.last, epoch, final_epoch, self.best_fitness, fitness_of)
 
     def host_checkpoint(self, where: position.Position) -> dict:
