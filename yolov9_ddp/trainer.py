@@ -4,6 +4,7 @@ process or many (torchrun). What differs between upstream's training scripts is 
 
 Imported from a patched YOLOv9 clone: upstream's modules come from the clone, the kit's from yolov9_ddp/ in it.
 """
+import filecmp
 import inspect
 import logging
 import math
@@ -155,6 +156,10 @@ def strip_atomically(path: Path, dest: Path):
     finally:
         LOGGER.disabled = was_disabled
         tmp.unlink(missing_ok=True)
+    log_stripped(path, dest)
+
+
+def log_stripped(path: Path, dest: Path):
     LOGGER.info(f'Optimizer stripped from {path}, saved as {dest}, {dest.stat().st_size / 1E6:.1f}MB')
 
 
@@ -645,9 +650,7 @@ class Trainer:
         """Strip the checkpoints (rank 0), validate best.pt on all ranks with plots, report the mAP."""
         self.writer.wait()
         if self.primary:
-            for f in (self.last, self.best):
-                if f.exists():
-                    strip_atomically(f, self.task.stripped(f))
+            self.strip_final_checkpoints()
             # only now is the run finished: a restart before this line resumes from last.previous.pt
             runs.write_record(self.save_dir, finished=True)
             checkpoint.previous_path(self.last).unlink(missing_ok=True)
@@ -658,6 +661,19 @@ class Trainer:
             self.results, _, _ = self.validate(model.half() if self.amp else model, plots=not self.opt.noplots)
         self.callbacks.run('on_train_end', self.last, self.best, epoch, self.results)
         LOGGER.info(f'{colorstr("bold", "Final:")} {self.task.summary(self.results)}  ({self.best})')
+
+
+    def strip_final_checkpoints(self):
+        """Upstream's stripped last.pt and best.pt; where best.pt is the last epoch's checkpoint (the same bytes,
+        copy_atomic), its stripped file is a copy of last.pt's, not loaded and stripped again."""
+        best_is_last = self.last.exists() and self.best.exists() and filecmp.cmp(self.last, self.best, shallow=False)
+        if self.last.exists():
+            strip_atomically(self.last, self.task.stripped(self.last))
+        if best_is_last:
+            checkpoint.copy_atomic(self.task.stripped(self.last), self.task.stripped(self.best))
+            log_stripped(self.best, self.task.stripped(self.best))
+        elif self.best.exists():
+            strip_atomically(self.best, self.task.stripped(self.best))
 
 
 def prepare_trainer(task, opt, device, plan):
