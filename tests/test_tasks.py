@@ -287,7 +287,7 @@ def test_segmentation_trains_when_a_rank_has_a_batch_without_masks(patched_tree,
 
 def test_every_upstream_model_config_has_exactly_one_way_to_train_it(pinned_upstream):
     from yolov9_ddp.tasks import UPSTREAM_ONLY
-    from yolov9_ddp.trainer import head_of
+    from yolov9_ddp.cli import head_of
     configs = [cfg for family in ('detect', 'segment', 'panoptic')  # models/hub holds YOLOv3 leftovers
                for cfg in sorted((pinned_upstream / 'models' / family).glob('*.yaml'))]
     assert len(configs) == 20

@@ -10,6 +10,8 @@ becomes '' (train from scratch, as the other scripts).
 import argparse
 from pathlib import Path
 
+import yaml
+
 from yolov9_ddp import graphs
 from yolov9_ddp.comm import DEFAULT_TIMEOUT_S, Unanimous
 from yolov9_ddp.levers import levers_for
@@ -175,6 +177,18 @@ def uneven_split(batch: int, world_size: int) -> str:
     return f"the run's global batch {batch} cannot be split over {world_size} processes; it can over {counts}"
 
 
+def head_of(cfg) -> str:
+    """The class name of a model's output layer, from its yaml (a path or the dict a model keeps as .yaml)."""
+    source = 'the checkpoint\'s model' if isinstance(cfg, dict) else cfg
+    if not isinstance(cfg, dict):
+        with open(cfg, errors='ignore') as f:
+            cfg = yaml.safe_load(f)
+    try:
+        return str(cfg['head'][-1][2])
+    except (KeyError, IndexError, TypeError) as e:
+        raise UsageError(f'{source}: not a YOLOv9 model config (it has no head)') from e
+
+
 def check_options(opt, world_size: int, task):
     """Reject what cannot work, identically on every rank (so all stop together, before any collective); on resume
     opt holds the run's own options."""
@@ -209,3 +223,7 @@ def check_options(opt, world_size: int, task):
         if value and not opt.resume and not str(value).startswith(('http://', 'https://')) \
                 and not Path(value).is_file():
             raise UsageError(f'--{flag} {value}: no such file')
+    if opt.cfg and not opt.resume and Path(opt.cfg).is_file():  # else upstream's check_yaml finds it, later
+        wrong = task.wrong_entry_point(head_of(opt.cfg))
+        if wrong:
+            raise UsageError(wrong)

@@ -61,14 +61,11 @@ def main(task_name: str, argv=None, root=None) -> int:
         cli.check_launch(opt)
         resumes = opt.resume or opt.auto_resume
         if not resumes:  # a new run's options are its own already: refused before upstream's modules load (4 s)
-            cli.check_options(opt, comm.launched_world_size(), task)
+            device = checked_device(opt, task)
         from yolov9_ddp import trainer  # upstream's modules
         plan = trainer.plan_start(opt, cli.given_flags(argv, root, task))  # a resume: opt is the run's from here
-        if opt.deterministic:  # read when cuBLAS starts: before any CUDA work (a resumed run's flag too)
-            os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', CUBLAS_WORKSPACE)
         if resumes:
-            cli.check_options(opt, comm.launched_world_size(), task)
-        device = comm.select_device(opt.device)
+            device = checked_device(opt, task)
         comm.print_banner(device, opt.device)
         with comm.process_group(device, opt.ddp_timeout):
             try:
@@ -78,6 +75,14 @@ def main(task_name: str, argv=None, root=None) -> int:
     except Exception as e:  # before the process group exists, or from making it
         return outcome(task, opt, e)
     return 0
+
+
+def checked_device(opt, task):
+    """The run's options checked (cli.check_options) and this process's device (comm.select_device)."""
+    cli.check_options(opt, comm.launched_world_size(), task)
+    if opt.deterministic:  # read when cuBLAS starts: before any CUDA work (a resumed run's flag too)
+        os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', CUBLAS_WORKSPACE)
+    return comm.select_device(opt.device)
 
 
 def outcome(task, opt, error: Exception) -> int:

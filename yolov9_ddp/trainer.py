@@ -173,18 +173,6 @@ def rank_local_buffers() -> dict:
 
 # -- the trainer ---------------------------------------------------------------------------------------------------
 
-def head_of(cfg) -> str:
-    """The class name of a model's output layer, from its yaml (a path or the dict a model keeps as .yaml)."""
-    source = 'the checkpoint\'s model' if isinstance(cfg, dict) else cfg
-    if not isinstance(cfg, dict):
-        with open(cfg, errors='ignore') as f:
-            cfg = yaml.safe_load(f)
-    try:
-        return str(cfg['head'][-1][2])
-    except (KeyError, IndexError, TypeError) as e:
-        raise cli.UsageError(f'{source}: not a YOLOv9 model config (it has no head)') from e
-
-
 class Trainer:
     """One training run of a task: setup(), then fit() runs epochs of train_step() with validate() and save()."""
 
@@ -273,7 +261,7 @@ class Trainer:
     def build_model(self, ckpt):
         opt, hyp = self.opt, self.hyp
         cfg = opt.cfg or ckpt['model'].yaml
-        wrong = self.task.wrong_entry_point(head_of(cfg))
+        wrong = self.task.wrong_entry_point(cli.head_of(cfg))
         if wrong:
             raise cli.UsageError(wrong)
         model = self.task.model(cfg, self.nc, hyp).to(self.device)
