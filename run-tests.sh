@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 tools/make-venv.sh .venv constraints/newest.txt requirements-test.txt
-exec .venv/bin/python -m pytest -q -n 2 --dist loadfile tests "$@"
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests "$@"  # modules in conftest's order

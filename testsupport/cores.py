@@ -4,12 +4,14 @@ timings, and the deadlines the fault tests derive from them, stay those of a mac
 
 A reader-writer lock on two files shared by the workers of one run, writer-preferring: a machine-wide test waits
 for the tests already running while holding the gate, so no new test starts beside it in the meantime."""
+import collections
 import contextlib
 import fcntl
 import os
 import tempfile
 from pathlib import Path
 
+SLOW_WEIGHT = 10  # a slow test took 4 s or more, most fast ones well under 1 s
 SHARE = 'YOLOV9_TEST_CORES'  # 'machine' or 'shared': what the running test holds (jobs.torchrun_cmd checks it)
 
 
@@ -30,20 +32,36 @@ def flocked(path: Path, mode: int):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def machine_wide(item) -> bool:
+    marked = {mark.name for mark in item.iter_markers()}
+    return 'cores' in marked or ('slow' in marked and 'one_core' not in marked)
+
+
+def sharing_modules_first(items: list) -> list:
+    """items with the modules whose tests share the machine first (a slow test weighing SLOW_WEIGHT fast ones): two
+    workers then run those side by side, and a module that shares is not left alone at the end of the run with the
+    other worker idle. pytest-xdist (--dist loadfile --no-loadscope-reorder) hands out the modules in this order."""
+    weights = collections.defaultdict(lambda: [0, 0])  # module: [weight of its sharing tests, of all its tests]
+    for item in items:
+        weight = SLOW_WEIGHT if item.get_closest_marker('slow') else 1
+        weights[item.module][0] += 0 if machine_wide(item) else weight
+        weights[item.module][1] += weight
+    return sorted(items, key=lambda item: -weights[item.module][0] / weights[item.module][1])
+
+
 @contextlib.contextmanager
 def cores_for(item):
     """Hold the machine (or a share of it) while item runs; nothing to hold without xdist."""
-    marked = {mark.name for mark in item.iter_markers()}
-    machine_wide = 'cores' in marked or ('slow' in marked and 'one_core' not in marked)
+    machine_wide_test = machine_wide(item)
     if 'PYTEST_XDIST_WORKER' not in os.environ:
         yield
         return
     folder = lock_folder()
-    os.environ[SHARE] = 'machine' if machine_wide else 'shared'
+    os.environ[SHARE] = 'machine' if machine_wide_test else 'shared'
     try:
         with contextlib.ExitStack() as held:
             with flocked(folder / 'gate', fcntl.LOCK_EX):  # no new test passes a machine-wide one waiting here
-                held.enter_context(flocked(folder / 'cores', fcntl.LOCK_EX if machine_wide else fcntl.LOCK_SH))
+                held.enter_context(flocked(folder / 'cores', fcntl.LOCK_EX if machine_wide_test else fcntl.LOCK_SH))
             yield
     finally:
         del os.environ[SHARE]
