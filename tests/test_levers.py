@@ -226,7 +226,8 @@ def final_weights(tree, data, project, *extra) -> dict:
 @pytest.mark.slow
 def test_two_deterministic_runs_end_with_bit_identical_weights(patched_tree, demo_data, tmp_path):
     with ThreadPoolExecutor(2) as pool:  # side by side: the test holds both cores
-        first, again = pool.map(lambda name: final_weights(patched_tree, demo_data, tmp_path / name), ('first', 'again'))
+        first, again = pool.map(lambda name: final_weights(patched_tree, demo_data, tmp_path / name),
+                                ('first', 'again'))
     assert first.keys() == again.keys()
     for name, tensor in first.items():
         assert torch.equal(tensor, again[name]), f'{name} differs between two --deterministic runs'

@@ -650,7 +650,6 @@ class Trainer:
         self.callbacks.run('on_train_end', self.last, self.best, epoch, self.results)
         LOGGER.info(f'{colorstr("bold", "Final:")} {self.task.summary(self.results)}  ({self.best})')
 
-
     def strip_final_checkpoints(self):
         """Upstream's stripped last.pt and best.pt; where best.pt is the last epoch's checkpoint (the same bytes,
         copy_atomic), its stripped file is a copy of last.pt's, not loaded and stripped again."""
