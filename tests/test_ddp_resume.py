@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from testsupport.faults import faulty_torchrun, one_error_line_problems, results_epochs, weights_snapshot
-from testsupport.jobs import job_env, run, torchrun_cmd, train_args
+from testsupport.jobs import NEW_INTERPRETERS, job_env, run, torchrun_cmd, train_args
 from yolov9_ddp import checkpoint, cli, runs
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 from yolov9_ddp.tasks import TASKS
@@ -49,8 +49,9 @@ def start(cmd, cwd, **env):
                             text=True, start_new_session=True)
 
 
-def worker_pids(agent_pid: int, local_rank: int) -> list:
-    """Processes started by the torchrun agent for one local rank (dataloader workers are not children of it)."""
+def worker_pids(agent_pid: int, local_rank=None) -> list:
+    """Processes started by the torchrun agent (dataloader workers are not children of it), or the one of a local
+    rank: that one is read from /proc/PID/environ, which shows a new interpreter's (NEW_INTERPRETERS)."""
     pids = []
     for entry in Path('/proc').iterdir():
         if not entry.name.isdigit():
@@ -60,14 +61,14 @@ def worker_pids(agent_pid: int, local_rank: int) -> list:
             environ = (entry / 'environ').read_bytes().split(b'\0')
         except OSError:
             continue
-        if int(stat[3]) == agent_pid and f'LOCAL_RANK={local_rank}'.encode() in environ:
+        if int(stat[3]) == agent_pid and (local_rank is None or f'LOCAL_RANK={local_rank}'.encode() in environ):
             pids.append(int(entry.name))
     return pids
 
 
 def kill_job(job):
     """SIGKILL the agent and its workers (torchrun starts each worker in a session of its own)."""
-    for pid in worker_pids(job.pid, 0) + worker_pids(job.pid, 1) + [job.pid]:
+    for pid in worker_pids(job.pid) + [job.pid]:
         os.kill(pid, signal.SIGKILL)
     job.wait()
 
@@ -173,7 +174,7 @@ def test_resume_continues_in_the_same_folder_at_the_next_epoch(patched_tree, dat
 def test_torchrun_restart_after_a_killed_worker_resumes_by_itself(patched_tree, dataset, tmp_path):
     project = tmp_path / 'runs'
     args = train_args(dataset, project, EPOCHS, 4, 64)
-    job = start(torchrun_cmd(2, '--max-restarts', 2, 'ddp_train_dual.py', *args), patched_tree)
+    job = start(torchrun_cmd(2, '--max-restarts', 2, 'ddp_train_dual.py', *args), patched_tree, **NEW_INTERPRETERS)
     last = project / 'exp' / 'weights' / 'last.pt'
     wait_for(lambda: checkpoint_epoch(last) is not None, job)
     victims = worker_pids(job.pid, local_rank=1)

@@ -22,7 +22,7 @@ import pytest
 
 from testsupport.faults import (Job, completed_run_problems, differences, final_state, node_cmd, refusal_problems,
                                results_epochs, start_job, weights_snapshot)
-from testsupport.jobs import free_port, torchrun_cmd, train_args
+from testsupport.jobs import NEW_INTERPRETERS, free_port, torchrun_cmd, train_args
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures('upstream_importable'), pytest.mark.slow]
@@ -107,7 +107,7 @@ def test_a_sigkilled_rank_restarts_from_its_periodic_checkpoint_bit_identical_wi
     """Also: 2 loader workers per rank draw the augmentations of none (each sample seeds itself)."""
     project = tmp_path / 'runs'
     job = launch(patched_tree, tmp_path, 'killed', 2, args(data, project, '--checkpoint-steps', 1, '--workers', 2),
-                 max_restarts=1)
+                 max_restarts=1, **NEW_INTERPRETERS)
     when_saved(job, project / 'exp', [1, 1], lambda: os.kill(workers_of(job, rank=1)[0], signal.SIGKILL))
     output = finished(job)
     [(epoch, step)] = resumed_at(output)
@@ -116,7 +116,8 @@ def test_a_sigkilled_rank_restarts_from_its_periodic_checkpoint_bit_identical_wi
 
 
 def workers_of(job: Job, rank=None) -> list:
-    """The training processes of the job's torchrun agent (its children), or the one of that global rank."""
+    """The training processes of the job's torchrun agent (its children), or the one of that global rank: read from
+    /proc/PID/environ, which shows a new interpreter's (NEW_INTERPRETERS)."""
     pids = []
     for entry in Path('/proc').iterdir():
         try:

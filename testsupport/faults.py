@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from testsupport import zygote
 from testsupport.imagecache import parent_of
 from testsupport.jobs import TORCHRUN, job_env, launch_cmd, run, task_cfg, torchrun_cmd, train_args
 from testsupport.trees import TINY_CFG
@@ -74,8 +75,8 @@ def start_job(cmd, tree, workdir: Path, name: str, fault: str = '', **env) -> Jo
     workdir.mkdir(parents=True, exist_ok=True)
     log, records = workdir / f'{name}.log', workdir / f'records-{name}'
     with open(log, 'w') as out:
-        proc = subprocess.Popen(list(map(str, cmd)), cwd=tree, env=job_env(FAULT=fault, FAULT_DIR=records, **env),
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = zygote.popen(cmd, tree, job_env(FAULT=fault, FAULT_DIR=records, **env), job_env(), out,
+                            subprocess.STDOUT, start_new_session=True)
     return Job(proc, log, records, f'{workdir}/', time.monotonic())
 
 

@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from testsupport import zygote
 from testsupport.cores import check_machine_wide
 from testsupport.trees import TINY_CFG
 from yolov9_ddp.demo_data import DemoSpec
 
 TORCHRUN = Path(__file__).resolve().parent / 'torchrun.py'  # torchrun with the grace period set below
 PROBE = Path(__file__).resolve().parent / 'probes' / 'probe.py'
+NEW_INTERPRETERS = {'YOLOV9_TEST_FORKED': '0'}  # env of a job whose processes are new interpreters, not forked
+#   (testsupport/forked.py): for a test that reads a worker's environment from /proc/PID/environ
 
 
 def free_port() -> int:
@@ -43,7 +46,9 @@ def launch_cmd(nproc: int, script, *args) -> list:
 
 
 def run(cmd, cwd, timeout=300, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=cwd, env=env or job_env(), capture_output=True, text=True, timeout=timeout)
+    """subprocess.run(cmd, capture_output=True, text=True, ...), forked from this process's zygote when it can be
+    (testsupport/zygote.py)."""
+    return zygote.run(cmd, cwd, env or job_env(), job_env(), timeout)
 
 
 def train_args(data_yaml, project, epochs=2, batch=8, imgsz=64, *extra, cfg=TINY_CFG) -> list:
