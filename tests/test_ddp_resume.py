@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from testsupport.faults import faulty_torchrun, one_error_line_problems, results_epochs, weights_snapshot
+from testsupport.faults import (children_of, faulty_torchrun, one_error_line_problems, results_epochs,
+                               weights_snapshot)
 from testsupport.jobs import NEW_INTERPRETERS, job_env, run, torchrun_cmd, train_args
 from yolov9_ddp import checkpoint, cli, runs
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
@@ -49,26 +50,9 @@ def start(cmd, cwd, **env):
                             text=True, start_new_session=True)
 
 
-def worker_pids(agent_pid: int, local_rank=None) -> list:
-    """Processes started by the torchrun agent (dataloader workers are not children of it), or the one of a local
-    rank: that one is read from /proc/PID/environ, which shows a new interpreter's (NEW_INTERPRETERS)."""
-    pids = []
-    for entry in Path('/proc').iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / 'stat').read_text().split()
-            environ = (entry / 'environ').read_bytes().split(b'\0')
-        except OSError:
-            continue
-        if int(stat[3]) == agent_pid and (local_rank is None or f'LOCAL_RANK={local_rank}'.encode() in environ):
-            pids.append(int(entry.name))
-    return pids
-
-
 def kill_job(job):
     """SIGKILL the agent and its workers (torchrun starts each worker in a session of its own)."""
-    for pid in worker_pids(job.pid) + [job.pid]:
+    for pid in children_of(job.pid) + [job.pid]:
         os.kill(pid, signal.SIGKILL)
     job.wait()
 
@@ -177,7 +161,7 @@ def test_torchrun_restart_after_a_killed_worker_resumes_by_itself(patched_tree, 
     job = start(torchrun_cmd(2, '--max-restarts', 2, 'ddp_train_dual.py', *args), patched_tree, **NEW_INTERPRETERS)
     last = project / 'exp' / 'weights' / 'last.pt'
     wait_for(lambda: checkpoint_epoch(last) is not None, job)
-    victims = worker_pids(job.pid, local_rank=1)
+    victims = children_of(job.pid, 'LOCAL_RANK=1')
     assert victims, 'rank 1 worker not found'
     killed_at = checkpoint_epoch(last)
     os.kill(victims[0], signal.SIGKILL)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from testsupport.faults import (Job, completed_run_problems, differences, final_state, node_cmd, refusal_problems,
-                               results_epochs, start_job, weights_snapshot)
+from testsupport.faults import (Job, children_of, completed_run_problems, differences, final_state, node_cmd,
+                               refusal_problems, results_epochs, start_job, weights_snapshot)
 from testsupport.jobs import NEW_INTERPRETERS, free_port, torchrun_cmd, train_args
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
@@ -116,17 +116,8 @@ def test_a_sigkilled_rank_restarts_from_its_periodic_checkpoint_bit_identical_wi
 
 
 def workers_of(job: Job, rank=None) -> list:
-    """The training processes of the job's torchrun agent (its children), or the one of that global rank: read from
-    /proc/PID/environ, which shows a new interpreter's (NEW_INTERPRETERS)."""
-    pids = []
-    for entry in Path('/proc').iterdir():
-        try:
-            parent = int((entry / 'stat').read_text().rsplit(') ', 1)[1].split()[1])
-            environ = (entry / 'environ').read_bytes().split(b'\0')
-        except (OSError, IndexError, ValueError):
-            continue
-        if parent == job.proc.pid and (rank is None or f'RANK={rank}'.encode() in environ):
-            pids.append(int(entry.name))
+    """The training processes of the job's torchrun agent, or the one of that global rank (faults.children_of)."""
+    pids = children_of(job.proc.pid, None if rank is None else f'RANK={rank}')
     assert pids, f'no training process{"" if rank is None else f" of rank {rank}"} under torchrun {job.proc.pid}'
     return pids
 

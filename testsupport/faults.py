@@ -105,6 +105,23 @@ def processes_mentioning(text: str) -> list:
     return pids
 
 
+def children_of(pid: int, started_with: str = None) -> list:
+    """Pids of pid's children (a torchrun agent's: its workers; their loader workers are not), or of those whose
+    environment at their start held started_with ('RANK=1'): /proc/PID/environ shows it for a new interpreter, not
+    for a forked process (a job with jobs.NEW_INTERPRETERS has only new interpreters)."""
+    children = []
+    for entry in Path('/proc').iterdir():
+        if not entry.name.isdigit() or parent_of(int(entry.name)) != pid:
+            continue
+        try:
+            environ = (entry / 'environ').read_bytes().split(b'\0')
+        except OSError:
+            continue
+        if started_with is None or started_with.encode() in environ:
+            children.append(int(entry.name))
+    return children
+
+
 def kill_processes_mentioning(text: str):
     for pid in processes_mentioning(text):
         try:

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 ROOM = 16384  # characters of command line a forked job can show (forked.show_command_line)
-_started = {}  # this process's zygote: {'process', 'socket', 'env'}
+_started = {}  # this process's zygote (zygote() says what it holds)
 
 
 class Lines:
@@ -134,15 +134,29 @@ def run(cmd, cwd, env: dict, base_env: dict, timeout=None) -> subprocess.Complet
 
 # -- the zygote's side -------------------------------------------------------------------------------------------------
 
+def receive_request(connection):
+    """(request, its three descriptors), or None where the test went away before it had sent them all."""
+    header, fds, _, _ = socket.recv_fds(connection, 4, 3)
+    body = b''
+    if len(header) == 4 and len(fds) == 3:
+        (length,) = struct.unpack('!I', header)
+        while len(body) < length and (chunk := connection.recv(length - len(body))):
+            body += chunk
+        if len(body) == length:
+            return json.loads(body), fds
+    for fd in fds:
+        os.close(fd)
+    return None
+
+
 def start_job(listener, waiting: dict, script_sys_path: list, preloaded_env: dict):
     from testsupport import forked
     connection, _ = listener.accept()
-    header, fds, _, _ = socket.recv_fds(connection, 4, 3)
-    (length,) = struct.unpack('!I', header)
-    body = b''
-    while len(body) < length:
-        body += connection.recv(length - len(body))
-    request = json.loads(body)
+    received = receive_request(connection)
+    if received is None:
+        connection.close()
+        return
+    request, fds = received
     pid = forked.fork(request['argv'], request['env'], dict(zip((0, 1, 2), fds)), request['cwd'],
                       request['new_session'], script_sys_path, preloaded_env)
     for fd in fds:
