@@ -9,6 +9,10 @@
 # space), downloaded once per version of the files, so that a rerun installs without downloading. pip's own HTTP
 # cache is not enough: it keeps only responses that allow caching, and where the registry is reached through a
 # proxy that drops those headers it keeps nothing, and every new venv downloads torch 2.4's 3 GB of wheels again.
+# pip's HTTP cache is left out (--no-cache-dir): beside the kept wheels it would be a second copy of them.
+# Under CI (CI set, a fresh machine that builds each venv once) nothing is kept: pip installs from the registries
+# straight into the venv, so that the two CUDA venvs need their 12 GB installed and not twice that on a shared disk
+# (CI ran out of space with the kept wheels and pip's cache beside them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=$1
@@ -20,14 +24,18 @@ for file in "$@"; do
 done
 started=$SECONDS
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-pip=("$venv/bin/python" -m pip --disable-pip-version-check)
-wheels=${XDG_CACHE_HOME:-$HOME/.cache}/pip/yolov9-ddp/$(basename "$constraints" .txt)
-stamp=$(cat "$constraints" requirements.txt "$@" | sha256sum | cut -c1-16)
-if [ ! -f "$wheels/.complete-$stamp" ]; then
-    "${pip[@]}" download --quiet --dest "$wheels" -c "$constraints" "${requirements[@]}" opencv-python-headless
-    touch "$wheels/.complete-$stamp"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check --no-cache-dir)
+if [ -n "${CI:-}" ]; then
+    install=("${pip[@]}" install --quiet -c "$constraints")
+else
+    wheels=${XDG_CACHE_HOME:-$HOME/.cache}/pip/yolov9-ddp/$(basename "$constraints" .txt)
+    stamp=$(cat "$constraints" requirements.txt "$@" | sha256sum | cut -c1-16)
+    if [ ! -f "$wheels/.complete-$stamp" ]; then
+        "${pip[@]}" download --quiet --dest "$wheels" -c "$constraints" "${requirements[@]}" opencv-python-headless
+        touch "$wheels/.complete-$stamp"
+    fi
+    install=("${pip[@]}" install --quiet --no-index --find-links "$wheels" -c "$constraints")
 fi
-install=("${pip[@]}" install --quiet --no-index --find-links "$wheels" -c "$constraints")
 "${install[@]}" "${requirements[@]}"
 "$venv/bin/python" -c 'import cv2' 2>/dev/null || "${install[@]}" opencv-python-headless
 versions=$("$venv/bin/python" -c 'import torch, numpy; print("torch", torch.__version__, "numpy", numpy.__version__)')
