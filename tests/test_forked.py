@@ -1,5 +1,5 @@
 """testsupport/forked.py: a process of a test job forked from one that imported torch and torchvision is what a new
-interpreter would be when its script starts, both for a job the zygote forks (testsupport/zygote.py) and for the
+interpreter would be when its script (or `python -c` code) starts, both for a job the zygote forks (testsupport/zygote.py) and for the
 workers torchrun forks (testsupport/torchrun.py). Every test that launches a job relies on it."""
 import json
 import subprocess
@@ -27,9 +27,10 @@ def by_design(state: dict) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.one_core
-def test_a_forked_job_starts_as_a_new_interpreter_and_ends_with_its_exit_status(tmp_path):
+@pytest.mark.parametrize('program', ['script', '-c'])
+def test_a_forked_job_starts_as_a_new_interpreter_and_ends_with_its_exit_status(program, tmp_path):
     out = tmp_path / 'state'
-    cmd = [sys.executable, PROBE, out, 3]
+    cmd = [sys.executable, *([PROBE] if program == 'script' else ['-c', PROBE.read_text()]), out, 3]
     new = subprocess.run(list(map(str, cmd)), cwd=tmp_path, env=job_env(), capture_output=True, text=True)
     [new_state] = states(out, 1)
     forked = zygote.run(cmd, tmp_path, job_env(), job_env())
@@ -39,7 +40,7 @@ def test_a_forked_job_starts_as_a_new_interpreter_and_ends_with_its_exit_status(
     assert by_design(forked_state) == by_design(new_state)
     assert forked_state['numpy_draw'] != new_state['numpy_draw']
     with pytest.raises(subprocess.TimeoutExpired):
-        zygote.run([sys.executable, PROBE, out, 0, 60], tmp_path, job_env(), job_env(), timeout=1)
+        zygote.run([*cmd[:-1], 0, 60], tmp_path, job_env(), job_env(), timeout=1)
 
 
 @pytest.mark.slow

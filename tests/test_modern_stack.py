@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from testsupport.trees import TINY_CFG, describe, offline_environment, run_python
+from testsupport.trees import TINY_CFG, describe, offline_environment, run_command, run_python
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
 # One process at a time (upstream's scripts): a slow test here may share the 2 cores with another test.
@@ -97,8 +97,7 @@ def test_train_dual_trains_two_epochs_offline_and_writes_its_outputs(patched_tre
     cmd = [sys.executable, 'train_dual.py', '--data', str(demo_data), '--cfg', str(TINY_CFG),
            '--hyp', 'data/hyps/hyp.scratch-high.yaml', '--epochs', '2', '--batch-size', '8', '--imgsz', '64',
            '--device', 'cpu', '--workers', '0', '--project', str(project), '--name', 'exp']
-    result = subprocess.run(cmd, cwd=str(patched_tree), env=offline_env, capture_output=True, text=True,
-                            timeout=TRAIN_TIMEOUT_S)
+    result = run_command(cmd, patched_tree, offline_env, TRAIN_TIMEOUT_S)
     assert result.returncode == 0, describe(result)
     output = result.stdout + result.stderr
     run = project / 'exp'

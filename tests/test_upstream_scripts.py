@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from testsupport.faults import results_epochs
-from testsupport.trees import MODELS, describe, offline_environment, run_python
+from testsupport.trees import MODELS, describe, offline_environment, run_command, run_python
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
 pytestmark = pytest.mark.timeout(1200)
@@ -71,8 +71,7 @@ def datasets(tmp_path_factory):
 
 
 def run_script(tree: Path, env: dict, script: str, *args) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, script, *map(str, args)], cwd=str(tree), env=env, capture_output=True,
-                            text=True, timeout=RUN_TIMEOUT_S)
+    result = run_command([sys.executable, script, *args], tree, env, RUN_TIMEOUT_S)
     output = result.stdout + result.stderr
     assert result.returncode == 0 and 'Traceback' not in output, f'{script} failed:\n{describe(result)}'
     for fault in ('torch.cuda.amp', 'attempting AutoUpdate', 'Downloading'):

@@ -12,7 +12,7 @@ tree's own) and tqdm (it reads the environment when imported). It exits as an in
 CUDA (torch marks it "in bad fork"): it becomes the new interpreter instead (exec). /proc/PID/environ still shows
 its parent's environment (testsupport.jobs.NEW_INTERPRETERS for a test that reads it).
 
-A command is run the usual way when that cannot hold: not a script, or an environment that differs from the
+A command is run the usual way when that cannot hold: neither a script nor `-c` code, or an environment that differs from the
 forking process's in a variable not known to be read at run time only (the interpreter, the loader, OpenMP and torch
 read some when they start)."""
 import ctypes
@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import numpy
@@ -39,7 +40,10 @@ READ_AT_RUN_TIME = {  # variables that may differ between the forking process an
     'GROUP_WORLD_SIZE', 'ROLE_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT', 'TORCH_NCCL_ASYNC_ERROR_HANDLING',
     'FAULT', 'FAULT_DIR', 'FAULT_TASK', 'PROBE_CONFIG', 'COLUMNS', 'TORCH_ELASTIC_SHUTDOWN_TIMEOUT',  # the tests'
     'YOLOV9_TEST_FORKED', 'YOLOV9_TEST_CORES', 'PYTEST_CURRENT_TEST',
-    'NUMEXPR_MAX_THREADS'}  # numexpr's (not preloaded), which sets it in the tests' own process when pandas loads it
+    'NUMEXPR_MAX_THREADS',  # numexpr's (not preloaded), which sets it in the tests' own process when pandas loads it
+    # the settings and cache folders of an offline run (testsupport.trees.offline_environment): torch and torchvision
+    # read none of them on import, upstream's modules (imported afresh) and torch.hub when they run
+    'HOME', 'XDG_CONFIG_HOME', 'XDG_CACHE_HOME', 'YOLOV5_CONFIG_DIR', 'TORCH_HOME'}
 OPT_OUT = 'YOLOV9_TEST_FORKED'  # =0: every process of the job a new interpreter
 
 
@@ -53,9 +57,15 @@ def preload() -> dict:
 
 
 def script_index(argv) -> int:
-    """Where the script is in `python [-u] SCRIPT ARGS` (torchrun starts its workers with -u); 0: not such a command."""
+    """Where the program is in `python [-u] SCRIPT ARGS` (torchrun starts its workers with -u) or `python [-u] -c CODE
+    ARGS` (the index of -c); 0: not such a command."""
     index = 2 if list(argv[1:2]) == ['-u'] else 1
-    return index if len(argv) > index and argv[0] == sys.executable and str(argv[index]).endswith('.py') else 0
+    program = str(argv[index]) if len(argv) > index and argv[0] == sys.executable else ''
+    return index if program.endswith('.py') or (program == '-c' and len(argv) > index + 1) else 0
+
+
+def read_at_run_time(name: str) -> bool:
+    return name in READ_AT_RUN_TIME or name.startswith('TORCHELASTIC_')
 
 
 def forkable(argv, env: dict, base_env: dict, preloaded_env: dict) -> bool:
@@ -64,7 +74,7 @@ def forkable(argv, env: dict, base_env: dict, preloaded_env: dict) -> bool:
     env = {**preloaded_env, **env}
     differing = {name for name in env.keys() | base_env.keys() if env.get(name) != base_env.get(name)}
     return (env.get(OPT_OUT) != '0' and script_index(argv) > 0
-            and all(name in READ_AT_RUN_TIME or name.startswith('TORCHELASTIC_') for name in differing))
+            and all(map(read_at_run_time, differing)))
 
 
 class ForkedChild:
@@ -113,8 +123,8 @@ def show_command_line(argv):
 
 
 def become(argv, env: dict, streams: dict, cwd, new_session: bool, script_sys_path: list, preloaded_env: dict):
-    """In the forked child: the state of a new interpreter about to run argv (see the module's text).
-    streams: {0, 1, 2: the descriptor each of stdin, stdout and stderr becomes, None to keep it}."""
+    """In the forked child: the state of a new interpreter about to run argv (see the module's text), and the
+    program to call. streams: {0, 1, 2: the descriptor each of stdin, stdout and stderr becomes, None to keep it}."""
     if new_session:
         os.setsid()
     for target, fd in streams.items():
@@ -141,19 +151,30 @@ def become(argv, env: dict, streams: dict, cwd, new_session: bool, script_sys_pa
     if index == 2:  # -u
         for stream in (sys.stdout, sys.stderr):
             stream.reconfigure(write_through=True)
+    importlib.invalidate_caches()
+    if argv[index] == '-c':
+        sys.argv = ['-c', *map(str, argv[index + 2:])]
+        sys.path[:] = ['', *script_sys_path]
+        return lambda: run_code(str(argv[index + 1]))
     script = os.path.abspath(argv[index])
     sys.argv = list(map(str, argv[index:]))
     sys.path[:] = [os.path.dirname(script), *script_sys_path]
-    importlib.invalidate_caches()
-    return script
+    return lambda: runpy.run_path(script, run_name='__main__')
+
+
+def run_code(code: str):
+    """What `python -c CODE` does with CODE: run it as a new __main__ module."""
+    main = types.ModuleType('__main__')
+    sys.modules['__main__'] = main
+    exec(compile(code, '<string>', 'exec'), main.__dict__)
 
 
 def run_and_exit(argv, env: dict, streams: dict, cwd, new_session: bool, script_sys_path: list, preloaded_env: dict):
-    """In the forked child: run the script of argv as __main__, then exit with its status."""
+    """In the forked child: run the program of argv (a script, or -c's code) as __main__, then exit with its status."""
     status = 1
     try:
-        script = become(argv, env, streams, cwd, new_session, script_sys_path, preloaded_env)
-        status = exit_status(lambda: runpy.run_path(script, run_name='__main__'))
+        program = become(argv, env, streams, cwd, new_session, script_sys_path, preloaded_env)
+        status = exit_status(program)
     finally:
         exit_without_teardown(status)
 

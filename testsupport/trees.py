@@ -110,11 +110,17 @@ def apply_ok(target, *args, kit: Path = KIT) -> subprocess.CompletedProcess:
     return result
 
 
+def run_command(cmd, cwd: Path, env: dict, timeout=300) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout), a Python program
+    forked from a zygote started with env where it can be (testsupport/zygote.py)."""
+    from testsupport import zygote
+    return zygote.run(cmd, cwd, env, env, timeout)
+
+
 def run_python(code: str, cwd: Path, env: dict, args=(), flags=(), timeout=300) -> subprocess.CompletedProcess:
     """Run a Python snippet in a tree (cwd first on sys.path, as for `python script.py` there);
     args become sys.argv[1:]."""
-    return subprocess.run([sys.executable, *flags, '-c', code, *map(str, args)], cwd=str(cwd), env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_command([sys.executable, *flags, '-c', code, *map(str, args)], cwd, env, timeout)
 
 
 def describe(result: subprocess.CompletedProcess) -> str:

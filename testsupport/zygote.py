@@ -1,7 +1,9 @@
 """A process that imported torch and torchvision once and forks the tests' Python jobs (testsupport/forked.py says
 what a forked process is made): a launcher (testsupport/torchrun.py) or a one-process job starts in a tenth of a
-second instead of four. Each process that runs tests starts one on first use; popen() and run() are subprocess's
-for the commands the zygote can fork, and subprocess's own for the others.
+second instead of four. Each process that runs tests starts one on first use per start-up environment (the
+environment less the variables read at run time only: the jobs' of testsupport.jobs, and the offline runs' of
+upstream's scripts, whose network block is imported at start-up), at most MAX_ZYGOTES; popen() and run() are
+subprocess's for the commands a zygote can fork, and subprocess's own for the others.
 
 A forked job is the zygote's child, not the test's: the zygote reaps it and sends its exit status over the
 connection the test asked on. `python zygote.py SOCKET PADDING` serves until its parent is gone; PADDING makes its
@@ -21,7 +23,8 @@ import tempfile
 from pathlib import Path
 
 ROOM = 16384  # characters of command line a forked job can show (forked.show_command_line)
-_started = {}  # this process's zygote (zygote() says what it holds)
+MAX_ZYGOTES = 3  # per process that runs tests: each holds torch and torchvision in memory (about 0.4 GB)
+_started = {}  # this process's zygotes by start-up environment (zygote() says what each holds)
 
 
 class Lines:
@@ -45,19 +48,28 @@ class Lines:
 
 # -- the tests' side ---------------------------------------------------------------------------------------------------
 
-def zygote(env: dict) -> dict:
-    """This process's zygote, started with env (the base environment of the jobs) unless running: {'process',
+def start_up_environment(env: dict) -> tuple:
+    from testsupport import forked
+    return tuple(sorted((name, value) for name, value in env.items() if not forked.read_at_run_time(name)))
+
+
+def zygote(env: dict):
+    """This process's zygote for env (the base environment of the jobs), started unless running: {'process',
     'socket', 'env': its environment once torch and torchvision were imported, 'preloaded': what their import
-    added to it}."""
-    if not _started or _started['process'].poll() is not None:
+    added to it}; None where MAX_ZYGOTES run already."""
+    key = start_up_environment(env)
+    started = _started.get(key)
+    if started is None or started['process'].poll() is not None:
+        if started is None and len(_started) >= MAX_ZYGOTES:
+            return None
         path = Path(tempfile.mkdtemp(prefix='yolov9-ddp-zygote-')) / 'socket'
         process = subprocess.Popen([sys.executable, __file__, path, 'x' * ROOM], env=env, stdin=subprocess.DEVNULL,
                                    stdout=subprocess.PIPE)
         ready = process.stdout.readline()
         assert ready.startswith(b'{'), f'the zygote did not start: {ready!r}'
         atexit.register(process.kill)
-        _started.update(process=process, socket=str(path), **json.loads(ready))
-    return _started
+        _started[key] = started = {'process': process, 'socket': str(path), **json.loads(ready)}
+    return started
 
 
 class ZygoteJob:
@@ -101,10 +113,11 @@ class ZygoteJob:
 
 def popen(cmd, cwd, env: dict, base_env: dict, stdout=None, stderr=None, start_new_session=False):
     """subprocess.Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr, start_new_session=...), forked by the
-    zygote (started with base_env) when forked.forkable says it can be."""
+    zygote of base_env when forked.forkable says it can be."""
     from testsupport import forked
-    argv, started = list(map(str, cmd)), zygote(base_env)
-    if not forked.forkable(argv, env, started['env'], started['preloaded']):
+    argv = list(map(str, cmd))
+    started = zygote(base_env) if forked.script_index(argv) else None
+    if not started or not forked.forkable(argv, env, started['env'], started['preloaded']):
         return subprocess.Popen(argv, cwd=cwd, env=env, stdout=stdout, stderr=stderr,
                                 start_new_session=start_new_session)
     out = 1 if stdout is None else stdout.fileno()
