@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from testsupport.trees import describe, run_python
+from testsupport.trees import describe, run_command, run_python
 from testsupport.jobs import free_port, job_env, run, torchrun_cmd, train_args
 from yolov9_ddp.comm import DEFAULT_TIMEOUT_S
 from yolov9_ddp.demo_data import DemoSpec
@@ -233,8 +233,7 @@ def test_without_data_trains_on_the_generated_demo_dataset(patched_tree, offline
     cmd = [sys.executable, 'ddp_train_dual.py', '--demo-dir', demo, '--epochs', '1', '--imgsz', '64',
            '--batch-size', '8', '--workers', '0', '--project', project]
     start = time.monotonic()
-    result = subprocess.run(list(map(str, cmd)), cwd=patched_tree, env=offline_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, timeout=180)
+    result = run_command(cmd, patched_tree, offline_env, 180, stderr=subprocess.STDOUT)
     elapsed = time.monotonic() - start
     assert result.returncode == 0, result.stdout[-5000:]
     lines = [line for line in result.stdout.splitlines() if line.strip()]

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from testsupport import zygote
 from testsupport.faults import ERROR_LINE, FAULTY
-from testsupport.jobs import free_port, job_env, torchrun_cmd, train_args
+from testsupport.jobs import free_port, job_env, run, torchrun_cmd, train_args
 from yolov9_ddp import cli, comm
 from yolov9_ddp.tasks import TASKS
 
@@ -57,10 +58,9 @@ def launch(tree, nproc, args, folder: Path, script='ddp_train_dual.py', fault=''
         cmd = [sys.executable, script, *args]
     start = time.monotonic()
     try:
-        result = subprocess.run(list(map(str, cmd)), cwd=tree, env=job_env(FAULT=fault), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, timeout=DEADLINE_S)
+        result = run(cmd, tree, DEADLINE_S, job_env(FAULT=fault), stderr=subprocess.STDOUT)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f'the launch did not end within {DEADLINE_S} s: {cmd}\n{(e.stdout or b"")[-3000:]}')
+        pytest.fail(f'the launch did not end within {DEADLINE_S} s: {cmd}\n{e.output[-3000:]}')
     wall = time.monotonic() - start
     if nproc == 1:
         return Launch(result.returncode, wall, {0: result.stdout}, '')
@@ -102,8 +102,8 @@ def launch_ranks_directly(tree, nproc, args, folder: Path) -> list:
         log = open(folder / f'rank{rank}.log', 'w+')
         env = job_env(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=nproc, LOCAL_WORLD_SIZE=nproc, GROUP_RANK=0,
                       MASTER_ADDR='127.0.0.1', MASTER_PORT=port)
-        procs.append(subprocess.Popen([sys.executable, 'ddp_train_dual.py', *args], cwd=tree, env=env,
-                                      stdout=log, stderr=subprocess.STDOUT, text=True))
+        procs.append(zygote.popen([sys.executable, 'ddp_train_dual.py', *args], tree, env, job_env(), log,
+                                  subprocess.STDOUT))
         logs.append(log)
     results = []
     try:

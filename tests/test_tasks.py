@@ -15,15 +15,18 @@ first three claims hold for ddp_train_dual.py too, and one job of 1, 2 (and 3) p
   - a model of another task is refused in one line naming the entry point that trains it
   - segmentation: every image drawn once per epoch; training survives a rank whose batch has no masks
 """
+import contextlib
 import math
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
 
+from testsupport import zygote
 from testsupport.faults import (completed_run_problems, differences, final_state, scenario_args, signal_scenario,
                                start_job)
 from testsupport.jobs import TASK_DATASETS, job_env, labels_of, run, run_probe, task_cfg, torchrun_cmd, train_args
@@ -224,21 +227,24 @@ WRONG_MODELS = {'detect': 'detect-dual', 'detect-triple': 'detect', 'segment': '
 def refusals(patched_tree, task_datasets, tmp_path_factory) -> dict:
     """{task: the CompletedProcess of its entry point given the model of WRONG_MODELS[task]}: the five processes
     run side by side (each one process, which only imports and parses: most of its time is Python's imports)."""
-    procs = {}
-    for task, wrong in WRONG_MODELS.items():
-        args = train_args(task_datasets[labels_of(task)], tmp_path_factory.mktemp(f'refused-{task}') / 'runs', 1, 4,
-                          64, cfg=task_cfg(wrong))
-        procs[task] = subprocess.Popen([sys.executable, TASKS[task].script, *map(str, args)], cwd=patched_tree,
-                                       env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        outputs = {task: proc.communicate(timeout=300) for task, proc in procs.items()}
-        return {task: subprocess.CompletedProcess(procs[task].args, procs[task].returncode, *outputs[task])
-                for task in procs}
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    procs, outputs = {}, {}
+    with contextlib.ExitStack() as files:
+        for task, wrong in WRONG_MODELS.items():
+            args = train_args(task_datasets[labels_of(task)], tmp_path_factory.mktemp(f'refused-{task}') / 'runs', 1,
+                              4, 64, cfg=task_cfg(wrong))
+            outputs[task] = [files.enter_context(tempfile.TemporaryFile()) for _ in ('stdout', 'stderr')]
+            procs[task] = zygote.popen([sys.executable, TASKS[task].script, *args], patched_tree, job_env(), job_env(),
+                                       *outputs[task])
+        try:
+            for proc in procs.values():
+                proc.wait(300)
+            return {task: subprocess.CompletedProcess(proc.args, proc.returncode, *map(zygote.text_of, outputs[task]))
+                    for task, proc in procs.items()}
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ process (loss and gradients) and in real 2-process DDP jobs (yolov9#559). Also y
 """
 import json
 import re
-import subprocess
 import sys
 import textwrap
 
@@ -12,7 +11,7 @@ import pytest
 
 from testsupport import jobs
 from testsupport.jobs import task_cfg, torchrun_cmd
-from testsupport.trees import KIT, MODELS, describe, offline_environment, run_python
+from testsupport.trees import KIT, MODELS, describe, offline_environment, run_command, run_python
 from yolov9_ddp.tasks import TASKS
 
 NO_TARGETS_PROBE = KIT / 'testsupport' / 'probes' / 'ddp_no_targets.py'
@@ -63,8 +62,7 @@ def test_0011_val_triple_validates_every_image(fixed, tree_without, patched_tree
     images = sorted(path.name for path in (demo_data.parent / 'images' / 'val').iterdir())
     command = [sys.executable, 'val_triple.py', '--data', demo_data, '--weights', weights, '--imgsz', 64,
                '--batch-size', 8, '--device', 'cpu', '--workers', 0, '--conf-thres', 0, '--project', tmp_path / 'runs']
-    standalone = subprocess.run(list(map(str, command)), cwd=tree, env=offline_env, capture_output=True, text=True,
-                                timeout=300)
+    standalone = run_command(command, tree, offline_env)
     if fixed:
         assert sorted(seen) == images, seen
         assert standalone.returncode == 0, describe(standalone)

@@ -45,10 +45,10 @@ def launch_cmd(nproc: int, script, *args) -> list:
     return torchrun_cmd(nproc, script, *args) if nproc > 1 else [sys.executable, *map(str, (script, *args))]
 
 
-def run(cmd, cwd, timeout=300, env=None) -> subprocess.CompletedProcess:
-    """subprocess.run(cmd, capture_output=True, text=True, ...), forked from this process's zygote when it can be
-    (testsupport/zygote.py)."""
-    return zygote.run(cmd, cwd, env or job_env(), job_env(), timeout)
+def run(cmd, cwd, timeout=300, env=None, stderr=subprocess.PIPE) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, ...), forked from this process's zygote
+    when it can be (testsupport/zygote.py)."""
+    return zygote.run(cmd, cwd, env or job_env(), job_env(), timeout, stderr)
 
 
 def train_args(data_yaml, project, epochs=2, batch=8, imgsz=64, *extra, cfg=TINY_CFG) -> list:

@@ -110,11 +110,11 @@ def apply_ok(target, *args, kit: Path = KIT) -> subprocess.CompletedProcess:
     return result
 
 
-def run_command(cmd, cwd: Path, env: dict, timeout=300) -> subprocess.CompletedProcess:
-    """subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout), a Python program
-    forked from a zygote started with env where it can be (testsupport/zygote.py)."""
+def run_command(cmd, cwd: Path, env: dict, timeout=300, stderr=subprocess.PIPE) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=timeout), a
+    Python program forked from a zygote started with env where it can be (testsupport/zygote.py)."""
     from testsupport import zygote
-    return zygote.run(cmd, cwd, env, env, timeout)
+    return zygote.run(cmd, cwd, env, env, timeout, stderr)
 
 
 def run_python(code: str, cwd: Path, env: dict, args=(), flags=(), timeout=300) -> subprocess.CompletedProcess:

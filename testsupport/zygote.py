@@ -131,18 +131,20 @@ def text_of(file) -> str:
     return file.read().decode(locale.getpreferredencoding(False)).replace('\r\n', '\n').replace('\r', '\n')
 
 
-def run(cmd, cwd, env: dict, base_env: dict, timeout=None) -> subprocess.CompletedProcess:
-    """subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout), the job forked by the
-    zygote when it can be."""
+def run(cmd, cwd, env: dict, base_env: dict, timeout=None, stderr=subprocess.PIPE) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=timeout) (stderr:
+    PIPE or STDOUT), the job forked by the zygote when it can be. On a timeout the job is killed, and the
+    TimeoutExpired holds its output."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        job = popen(cmd, cwd, env, base_env, out, err)
+        job = popen(cmd, cwd, env, base_env, out, subprocess.STDOUT if stderr == subprocess.STDOUT else err)
         try:
             job.wait(timeout)
         except subprocess.TimeoutExpired:
             job.kill()
             job.wait()
-            raise
-        return subprocess.CompletedProcess(job.args, job.returncode, text_of(out), text_of(err))
+            raise subprocess.TimeoutExpired(job.args, timeout, output=text_of(out)) from None
+        errors = None if stderr == subprocess.STDOUT else text_of(err)
+        return subprocess.CompletedProcess(job.args, job.returncode, text_of(out), errors)
 
 
 # -- the zygote's side -------------------------------------------------------------------------------------------------
