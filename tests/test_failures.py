@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.utils.data import DataLoader, Dataset
 
 from testsupport.trees import KIT
@@ -69,6 +69,22 @@ def test_the_record_is_what_torchrun_reads_as_the_cause(tmp_path, monkeypatch):
     assert failure.message == 'ddp_train_dual.py [rank 1]: out of GPU memory'
     assert before <= failure.timestamp <= time.time()
     assert json.loads(error_file.read_text())['message'] == failure.message
+
+
+def test_torchrun_names_the_cause_and_not_its_consequence_recorded_in_the_same_second(tmp_path, monkeypatch):
+    """Rank 1 fails, rank 0 fails because of it, both within one second: torchrun's summary (the failure of the
+    earliest timestamp, the lowest rank on a tie) must name rank 1's line as the root cause."""
+    monkeypatch.setattr(time, 'time', lambda: 1_700_000_000.5)
+    recorded = {}
+    for rank, message, consequence in ((1, 'out of GPU memory', False), (0, 'another rank died', True)):
+        recorded[rank] = tmp_path / f'{rank}' / 'error.json'
+        recorded[rank].parent.mkdir()
+        monkeypatch.setenv('TORCHELASTIC_ERROR_FILE', str(recorded[rank]))
+        failures.record_for_torchrun(message, consequence)
+    summary = ChildFailedError('ddp_train_dual.py', {
+        rank: ProcessFailure(local_rank=rank, pid=4321 + rank, exitcode=1, error_file=str(recorded[rank]))
+        for rank in (0, 1)})
+    assert summary.get_first_failure()[1].message == 'out of GPU memory'
 
 
 def test_no_record_outside_torchrun(tmp_path, monkeypatch):

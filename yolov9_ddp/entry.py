@@ -26,17 +26,18 @@ KIT_ERRORS = (cli.UsageError, comm.LaunchError, checkpoint.CheckpointError, comm
               runs.RunBusy)
 
 
-def report(script: str, error: BaseException):
+def report(script: str, error: BaseException, consequence=False):
     """One line per failure: from the rank that saw it (rank 0 for errors every rank sees the same way). Every rank
     records its own line for torchrun's summary, the reporter after printing it: a process that leaves the line
-    to its node's reporter exits only once the reporter has recorded it (failures.wait_for_the_node_reporter)."""
+    to its node's reporter exits only once the reporter has recorded it (failures.wait_for_the_node_reporter).
+    consequence: this rank failed because another one did (failures.record_for_torchrun)."""
     rank = comm.launched_rank()
     where = f' [rank {rank}]' if comm.launched_world_size() > 1 else ''
     alike = (isinstance(error, comm.Unanimous) and rank != 0) or \
         (isinstance(error, comm.LaunchError) and comm.get_local_rank() != 0)  # a node's processes see it alike
     if not (alike or isinstance(error, comm.PeerFailed)):  # PeerFailed: the failed rank reports, before its exit
         print(f'{script}: error{where}: {error}', file=sys.stderr, flush=True)
-    failures.record_for_torchrun(f'{script}{where}: {error}')
+    failures.record_for_torchrun(f'{script}{where}: {error}', consequence or isinstance(error, comm.PeerFailed))
     if alike:
         failures.wait_for_the_node_reporter()
 
@@ -101,5 +102,5 @@ def outcome(task, opt, error: Exception) -> int:
     line = failures.collective_failure(error, opt.ddp_timeout)  # a peer gone or stalled
     if line is None:  # a bug, out of memory, a dataset that raises: this rank alone
         return fail(task.script, error)
-    report(task.script, RuntimeError(line))
+    report(task.script, RuntimeError(line), consequence=True)
     return EXIT_FAILED

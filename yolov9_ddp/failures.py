@@ -154,13 +154,19 @@ def wait_for_the_node_reporter(timeout_s: float = REPORTER_WAIT_S):
         time.sleep(0.05)
 
 
-def record_for_torchrun(message: str):
+def record_for_torchrun(message: str, consequence=False):
     """Write message where torchrun looks for a failed worker's cause (TORCHELASTIC_ERROR_FILE, in the format of
-    torch.distributed.elastic's error files): its summary then shows this line instead of `error_file: <N/A>`."""
+    torch.distributed.elastic's error files): its summary then shows this line instead of `error_file: <N/A>`.
+
+    The summary's root cause is the failure of the earliest timestamp, in whole seconds, the lowest rank on a tie. A
+    consequence (this rank failed because another did) is dated a second later: the cause is recorded before its
+    process exits, which is what the other ranks notice, so it comes first even within the same second (rank 0
+    stopped by rank 1's death was named the root cause whenever both fell in one second)."""
     path = os.environ.get('TORCHELASTIC_ERROR_FILE')
     if not path:
         return
+    timestamp = int(time.time()) + (1 if consequence else 0)
     try:
-        Path(path).write_text(json.dumps({'message': message, 'timestamp': str(int(time.time()))}))
+        Path(path).write_text(json.dumps({'message': message, 'timestamp': str(timestamp)}))
     except OSError:
         pass  # the cause is on stderr as well; a failure to record it must not hide it
