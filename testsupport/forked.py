@@ -12,9 +12,9 @@ tree's own) and tqdm (it reads the environment when imported). It exits as an in
 CUDA (torch marks it "in bad fork"): it becomes the new interpreter instead (exec). /proc/PID/environ still shows
 its parent's environment (testsupport.jobs.NEW_INTERPRETERS for a test that reads it).
 
-A command is run the usual way when that cannot hold: neither a script nor `-c` code, or an environment that differs from the
-forking process's in a variable not known to be read at run time only (the interpreter, the loader, OpenMP and torch
-read some when they start)."""
+A command is run the usual way when that cannot hold: neither a script nor `-c` code, or an environment that differs
+from the forking process's in a variable not known to be read at run time only (the interpreter, the loader, OpenMP
+and torch read some when they start)."""
 import ctypes
 import gc
 import importlib

@@ -22,6 +22,7 @@ if str(KIT) not in sys.path:
 
 from patchkit.pin import INSTALLED, file_blob_id, read_pin  # noqa: E402
 from patchkit.upstream import provide_upstream  # noqa: E402
+from testsupport import zygote  # noqa: E402
 from yolov9_ddp.demo_data import DemoSpec  # noqa: E402
 
 PATCHES = KIT / 'patches'
@@ -113,7 +114,6 @@ def apply_ok(target, *args, kit: Path = KIT) -> subprocess.CompletedProcess:
 def run_command(cmd, cwd: Path, env: dict, timeout=300, stderr=subprocess.PIPE) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=timeout), a
     Python program forked from a zygote started with env where it can be (testsupport/zygote.py)."""
-    from testsupport import zygote
     return zygote.run(cmd, cwd, env, env, timeout, stderr)
 
 

@@ -1,5 +1,6 @@
-"""What a test job's process looks like before its script (or `python -c` code) does anything: written as JSON to ARGV[1]-RANK.json, so
-that tests/test_forked.py can compare a forked process (testsupport/forked.py) with a new interpreter."""
+"""What a test job's process looks like before its script (or `python -c` code) does anything: written as JSON to
+ARGV[1]-RANK.json, so that tests/test_forked.py can compare a forked process (testsupport/forked.py) with a new
+interpreter."""
 import json
 import os
 import signal
@@ -12,7 +13,8 @@ import numpy  # noqa: E402
 import torchvision  # noqa: F401,E402  what every job imports first (it sets TORCHINDUCTOR_CACHE_DIR)
 
 state = {
-    'argv': sys.argv[1:], 'path': sys.path, 'cwd': os.getcwd(), 'main': [__name__, globals().get('__file__')],  # no file for `python -c`
+    'argv': sys.argv[1:], 'path': sys.path, 'cwd': os.getcwd(),
+    'main': [__name__, globals().get('__file__')],  # `python -c` has no file
     'environment': {name: value for name, value in os.environ.items() if name != 'TORCHELASTIC_ERROR_FILE'},
     'signals': {int(s): repr(signal.getsignal(s)) for s in signal.valid_signals()
                 if signal.getsignal(s) is not None},
