@@ -14,7 +14,7 @@ CALL (bench/PLAN.md has the device calls; bench/results.py the targets):
                                                                                    -> val_Ngpu_vs_rank0,
                                                                                       ram_cache_Nranks_vs_1rank
   parity       per seed: the kit on 1 GPU | on N GPUs | on N GPUs with upstream's numerics, trained to the end
-                                                                                   -> parity_map50_95_points
+               (on one GPU: the kit | upstream's numerics)                         -> parity_map50_95_points
   cache-speed  the kit on N GPUs with --cache ram | without                       -> ram_cache_speedup_Ngpu (no target)
   lever        the kit on N GPUs | with --levers LEVER (e.g. channels_last=1)      -> lever LEVER (no target)
   per-gpu-det  upstream train_dual.py | the kit | the kit with --deterministic, N GPUs, 2048 images
@@ -293,9 +293,10 @@ class Bench:
         return run
 
     def per_gpu(self):
-        key = f'per_gpu_vs_upstream_{self.n}gpu'
+        chosen, suffix = kit_levers(self.args.kit_levers)
+        key = f'per_gpu_vs_upstream_{self.n}gpu{suffix}'
         self.rounds({'upstream': self.end_to_end(self.upstream, 'upstream', 'main'),
-                     'kit': self.end_to_end(self.kit, 'kit', 'main')},
+                     'kit': self.end_to_end(self.kit, 'kit', 'main', chosen)},
                     {key: ('upstream', 'kit', lambda a, b: ratio(b, a, 'img_per_s'),
                            results.TARGETS['per_gpu_vs_upstream_{n}gpu'])})
         if not self.cuda:
@@ -305,16 +306,16 @@ class Bench:
     def per_gpu_det(self):
         """Issue 23: the kit end to end, and with --deterministic, against upstream, alternated in one call; the
         lever call's dataset (2048 images), so that three rounds of three runs fit one call on one GPU."""
-        n, chosen = self.n, ['--levers', self.args.kit_levers] if self.args.kit_levers else []
+        n, (chosen, suffix) = self.n, kit_levers(self.args.kit_levers)
         deterministic = ['--deterministic', *chosen]
         self.rounds({'upstream': self.end_to_end(self.upstream, 'upstream-d', 'lever'),
                      'kit': self.end_to_end(self.kit, 'kit-d', 'lever', chosen),
                      'kit --deterministic': self.end_to_end(self.kit, 'kit-det', 'lever', deterministic)}, {
-            f'per_gpu_vs_upstream_{n}gpu': ('upstream', 'kit', lambda a, b: ratio(b, a, 'img_per_s'),
-                                            results.TARGETS['per_gpu_vs_upstream_{n}gpu']),
-            f'deterministic_vs_upstream_{n}gpu': ('upstream', 'kit --deterministic',
-                                                  lambda a, b: ratio(b, a, 'img_per_s'),
-                                                  results.ONE_GPU_TARGETS['deterministic_vs_upstream_1gpu'])})
+            f'per_gpu_vs_upstream_{n}gpu{suffix}': ('upstream', 'kit', lambda a, b: ratio(b, a, 'img_per_s'),
+                                                    results.TARGETS['per_gpu_vs_upstream_{n}gpu']),
+            f'deterministic_vs_upstream_{n}gpu{suffix}': ('upstream', 'kit --deterministic',
+                                                          lambda a, b: ratio(b, a, 'img_per_s'),
+                                                          results.ONE_GPU_TARGETS['deterministic_vs_upstream_1gpu'])})
 
     def loop_lever(self):
         """Issue 23: the kit's in-loop rate against its GPU-only step, and one lever in the GPU-only step (and with
@@ -432,24 +433,31 @@ class Bench:
                 results.TARGETS['ram_cache_{n}ranks_vs_1rank'])})
 
     def parity(self):
+        """Per seed, whole runs of the tiny model: the kit on 1 GPU | on N GPUs | on N GPUs with upstream's
+        numerics; on one GPU the first run is the kit's, and the middle one is left out. --kit-levers L: the kit's
+        runs (not upstream's numerics) train with --levers L."""
         n, data, size = self.n, self.dataset('parity'), self.size
+        chosen, suffix = kit_levers(self.args.kit_levers)
 
-        def trained(gpus, levers=None):
+        def trained(gpus, levers):
             def run(i):
-                name = f'parity-{gpus}gpu{"-upstream-numerics" if levers else ""}-seed{i}'
+                name = f'parity-{gpus}gpu{"-upstream-numerics" if levers != chosen else ""}-seed{i}'
                 return self.train_to_the_end(name, self.train_cmd(
                     self.kit, gpus, data, name, epochs=size['parity_epochs'], cfg=TINY_CFG, imgsz=size['parity_imgsz'],
-                    batch=size['parity_batch'], seed=i,
-                    extra=['--noval', *(['--levers', levers] if levers else [])]), self.kit)
+                    batch=size['parity_batch'], seed=i, extra=['--noval', *levers]), self.kit)
             return run
         points = lambda a, b: round(abs(a['map50_95'] - b['map50_95']) * 100, 3)  # noqa: E731
-        self.rounds({'1 GPU': trained(1), f'{n} GPUs': trained(n), f'{n} GPUs, upstream numerics':
-                     trained(n, UPSTREAM_NUMERICS)}, {
-            f'{results.PARITY}/gpus': ('1 GPU', f'{n} GPUs', points, 'mAP50-95 points apart: 1 GPU against N GPUs, '
-                                       'same global batch, epochs and seed'),
-            f'{results.PARITY}/numerics': (f'{n} GPUs, upstream numerics', f'{n} GPUs', points,
-                                           "mAP50-95 points apart: the kit's defaults against upstream's numerics "
-                                           f'(--levers {UPSTREAM_NUMERICS}), same seed')})
+        kit, upstream_numerics = ('1 GPU' if n == 1 else f'{n} GPUs'), f'{n} GPUs, upstream numerics'
+        runs, pairs = {'1 GPU': trained(1, chosen)}, {}
+        if n > 1:
+            runs[kit] = trained(n, chosen)
+            pairs[f'{results.PARITY}{suffix}/gpus'] = ('1 GPU', kit, points, 'mAP50-95 points apart: 1 GPU against '
+                                                       'N GPUs, same global batch, epochs and seed')
+        runs[upstream_numerics] = trained(n, ['--levers', UPSTREAM_NUMERICS])
+        pairs[f'{results.PARITY}{suffix}/numerics'] = (upstream_numerics, kit, points, "mAP50-95 points apart: the "
+                                                       "kit's defaults against upstream's numerics (--levers "
+                                                       f'{UPSTREAM_NUMERICS}), same seed')
+        self.rounds(runs, pairs)
 
     def cache_speed(self):
         data, n, images = self.dataset('main'), self.n, self.size['main'].train
@@ -515,6 +523,12 @@ CALLS = {'per-gpu': Bench.per_gpu, 'scaling': Bench.scaling, 'step': Bench.step,
          'ckpt-minutes': Bench.ckpt_minutes}
 PERIODIC = re.compile(r'--checkpoint-(minutes|steps)\b')
 SKIPPED = re.compile(r'checkpoint at epoch \d+ step \d+ skipped')  # CheckpointWriter's line: a due one not written
+
+
+def kit_levers(lever: str):
+    """--kit-levers L: the kit's runs train with --levers L, and the series keys say so (' (--levers L)'), so that
+    such a series never stands for a target, which is the defaults'."""
+    return (['--levers', lever], f' (--levers {lever})') if lever else ([], '')
 
 
 def ratio(numerator: dict, denominator: dict, figure: str) -> float:
@@ -659,7 +673,8 @@ def main():
                    help='entry-points: 64 + 32 images at 160 px, one epoch each: that each trains, not how fast')
     p.add_argument('--lever', default='channels_last=1', help="the 'lever' and 'loop-lever' calls' --levers")
     p.add_argument('--end-to-end', action='store_true', help="loop-lever: the kit with the lever too")
-    p.add_argument('--kit-levers', default='', help="per-gpu-det: --levers for the kit's runs (both)")
+    p.add_argument('--kit-levers', default='',
+                   help="per-gpu, per-gpu-det, parity: --levers for the kit's runs; the series keys name them")
     p.add_argument('--checkpoint-minutes', type=float, default=0.1, metavar='M',
                    help="ckpt-minutes: the kit's period; 0.1 (6 s) writes one or two in a timed epoch of 2048 images "
                         '(about 14 s; a save at the epoch end restarts the clock, so 0.25 would write none there)')

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from bench import results
+from bench import results, run_bench
 from testsupport.trees import KIT, cache_dir, describe
 
 REQUIRED = ['per_gpu_vs_upstream_2gpu', 'scaling_2gpu', 'in_loop_vs_gpu_only', 'gpu_only_vs_upstream_settings',
@@ -50,6 +50,15 @@ def test_issue_23s_one_gpu_targets_land_beside_issue_15s():
     assert list(merged['targets']) == REQUIRED + list(results.ONE_GPU_TARGETS)
     assert merged['targets']['deterministic_vs_upstream_1gpu'] == 1.0
     assert merged['targets']['checkpoint_minutes_1_vs_none_1gpu'] is None
+
+
+def test_a_series_of_the_kit_with_other_levers_than_its_defaults_never_stands_for_a_target():
+    chosen, suffix = run_bench.kit_levers('cuda_graphs=1,channels_last=1')
+    assert chosen == ['--levers', 'cuda_graphs=1,channels_last=1'] and run_bench.kit_levers('') == ([], '')
+    merged = results.merge(call('gpu', **{f'per_gpu_vs_upstream_1gpu{suffix}': series(2.0, 2.1, 2.2),
+                                          f'{results.PARITY}{suffix}/numerics': series(0.1, 0.2, 0.3)}), {})
+    assert merged['targets']['per_gpu_vs_upstream_1gpu'] is None and merged['targets'][results.PARITY] is None
+    assert merged['pairs'][f'per_gpu_vs_upstream_1gpu{suffix}']['median'] == 2.1
 
 
 @pytest.mark.slow
