@@ -144,6 +144,40 @@ def test_cuda_graphs_is_refused_in_one_line_where_it_cannot_work(tmp_path, monke
     assert graphs.unsupported(cli.parse_args(['--device', '0'], tmp_path, TASKS['detect-dual']), 1) == ''
 
 
+def test_a_runs_cuda_graphs_turns_off_in_one_line_where_a_resume_cannot_use_it(tmp_path, monkeypatch):
+    opt = cli.parse_args(['--device', 'cpu'], tmp_path, TASKS['detect-dual'])
+    opt.levers, said = describe(replace(Levers(), cuda_graphs=True, progress_every=3)), []
+    assert parse_levers(graphs.off_where_unsupported(opt, 1, {}, said.append)) == asdict(
+        replace(Levers(), progress_every=3))
+    assert said == ['levers changed on resume: cuda_graphs 1 -> 0, as this start cannot use it (cuda_graphs=1 needs '
+                    'a CUDA device); a resume on one GPU turns it on again with --levers cuda_graphs=1']
+    assert graphs.off_where_unsupported(opt, 1, {'cuda_graphs': True}, said.append) == opt.levers, \
+        'given on the command line it is left to cli.check_options, which refuses it'
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    opt.device = '0'
+    assert graphs.off_where_unsupported(opt, 1, {}, said.append) == opt.levers and len(said) == 1, 'one GPU: kept'
+    assert parse_levers(graphs.off_where_unsupported(opt, 2, {}, said.append))['cuda_graphs'] is False
+    assert 'one GPU only' in said[-1]
+
+
+@pytest.mark.usefixtures('upstream_importable')
+def test_a_run_trained_with_cuda_graphs_resumes_on_cpus_without_them(tmp_path, monkeypatch):
+    """A run started on one GPU with --levers cuda_graphs=1 continues on CPUs or on 2 processes (issue 21): its
+    recorded lever turns off for this start, it is not refused."""
+    from yolov9_ddp import runs, trainer
+    task = TASKS['detect-dual']
+    recorded = {**vars(cli.parse_args(['--device', '0', '--levers', 'cuda_graphs=1'], tmp_path, task)),
+                'levers': describe(replace(Levers(), cuda_graphs=True))}
+    plan = runs.RunPlan(tmp_path / 'exp', resume_from=tmp_path / 'exp' / 'weights' / 'last.pt', options=recorded)
+    argv = ['--resume', str(plan.resume_from), '--device', 'cpu']
+    opt, said = cli.parse_args(argv, tmp_path, task), []
+    monkeypatch.setattr(trainer.LOGGER, 'info', said.append)
+    trainer.restore_resumed_options(opt, plan, cli.given_flags(argv, tmp_path, task))
+    assert parse_levers(opt.levers)['cuda_graphs'] is False and opt.device == 'cpu'
+    assert [line for line in said if 'cuda_graphs 1 -> 0' in line]
+    cli.check_options(opt, 1, task)  # what refused the resume before: '--levers cuda_graphs=1 needs a CUDA device'
+
+
 class StaticGradients(torch.autograd.Function):
     """What a replayed CUDA graph's backward does: it hands out the same gradient buffer every time."""
 

@@ -8,7 +8,11 @@ One capture per input shape: a run's batches share one, its last batch may have 
 whose shapes change every step, are refused). A capture runs the model forward and backward a few times on the
 batch it is given; BatchNorm's running statistics are put back afterwards, so the run's arithmetic stays its own.
 """
+from dataclasses import replace
+
 import torch
+
+from yolov9_ddp.levers import Levers, describe, parse_levers
 
 
 def unsupported(opt, world_size: int) -> str:
@@ -23,6 +27,20 @@ def unsupported(opt, world_size: int) -> str:
         return ('is not offered with --deterministic: its capture failed there in cuDNN '
                 '(CUDNN_STATUS_INTERNAL_ERROR, bench/RESULTS.md)')
     return ''
+
+
+def off_where_unsupported(opt, world_size: int, given: dict, log=print) -> str:
+    """The levers of a resumed start (opt.levers, the run's own): a recorded cuda_graphs=1 turned off, in one line,
+    where this start cannot use it (on more processes, on CPUs, with --deterministic given now), so that the run
+    goes on there (issue 21: a run continues on another number of processes). Given on this command line (given,
+    levers.requested_levers), it is refused instead, by cli.check_options."""
+    levers = Levers(**parse_levers(opt.levers))
+    reason = levers.cuda_graphs and 'cuda_graphs' not in given and unsupported(opt, world_size)
+    if not reason:
+        return opt.levers
+    log(f'levers changed on resume: cuda_graphs 1 -> 0, as this start cannot use it (cuda_graphs=1 {reason}); '
+        'a resume on one GPU turns it on again with --levers cuda_graphs=1')
+    return describe(replace(levers, cuda_graphs=False))
 
 
 class GraphedModel:

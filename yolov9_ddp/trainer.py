@@ -85,6 +85,7 @@ def restore_resumed_options(opt, plan, given: dict):
         raise cli.UsageError(f'{e} (the run in {plan.save_dir} is deterministic)') from e
     vars(opt).update(resumed)
     opt.levers = resumed_levers(plan.options, given_levers, LOGGER.info)
+    opt.levers = graphs.off_where_unsupported(opt, comm.launched_world_size(), given_levers, LOGGER.info)
     opt.resume, opt.weights = True, str(plan.resume_from)
     if opt.cfg and not Path(opt.cfg).is_file():  # a relative path from another folder: the checkpoint's own yaml
         opt.cfg = ''
