@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from bench import results, run_bench
 from testsupport.trees import KIT, cache_dir, describe
@@ -59,6 +60,14 @@ def test_a_series_of_the_kit_with_other_levers_than_its_defaults_never_stands_fo
                                           f'{results.PARITY}{suffix}/numerics': series(0.1, 0.2, 0.3)}), {})
     assert merged['targets']['per_gpu_vs_upstream_1gpu'] is None and merged['targets'][results.PARITY] is None
     assert merged['pairs'][f'per_gpu_vs_upstream_1gpu{suffix}']['median'] == 2.1
+
+
+def test_the_step_profile_ranks_the_operators_by_their_own_time():
+    from bench import gpu_step
+    big, small = torch.rand(400, 400), torch.rand(4)
+    profiled = gpu_step.profile_steps(lambda i: (big @ big, small + i), 0, 3, cuda=False)
+    assert profiled['ops'][0][0] == 'aten::mm' and profiled['ops'][0][2] > 0.5, profiled
+    assert profiled['measure'] == 'CPU' and 0 < profiled['busy_ms_per_step'] <= profiled['wall_ms_per_step']
 
 
 @pytest.mark.slow
