@@ -521,6 +521,7 @@ CALLS = {'per-gpu': Bench.per_gpu, 'scaling': Bench.scaling, 'step': Bench.step,
          'parity': Bench.parity, 'cache-speed': Bench.cache_speed, 'lever': Bench.lever,
          'entry-points': Bench.entry_points, 'per-gpu-det': Bench.per_gpu_det, 'loop-lever': Bench.loop_lever,
          'ckpt-minutes': Bench.ckpt_minutes}
+TAKE_KIT_LEVERS = ('per-gpu', 'per-gpu-det', 'parity')  # the calls whose kit runs take --kit-levers
 PERIODIC = re.compile(r'--checkpoint-(minutes|steps)\b')
 SKIPPED = re.compile(r'checkpoint at epoch \d+ step \d+ skipped')  # CheckpointWriter's line: a due one not written
 
@@ -674,7 +675,8 @@ def main():
     p.add_argument('--lever', default='channels_last=1', help="the 'lever' and 'loop-lever' calls' --levers")
     p.add_argument('--end-to-end', action='store_true', help="loop-lever: the kit with the lever too")
     p.add_argument('--kit-levers', default='',
-                   help="per-gpu, per-gpu-det, parity: --levers for the kit's runs; the series keys name them")
+                   help="per-gpu, per-gpu-det, parity (others refuse it): --levers for the kit's runs; the series "
+                        'keys name them')
     p.add_argument('--checkpoint-minutes', type=float, default=0.1, metavar='M',
                    help="ckpt-minutes: the kit's period; 0.1 (6 s) writes one or two in a timed epoch of 2048 images "
                         '(about 14 s; a save at the epoch end restarts the clock, so 0.25 would write none there)')
@@ -683,6 +685,8 @@ def main():
     p.add_argument('--work', default='/tmp/yolov9-ddp-bench', help='trees, datasets, runs, logs')
     p.add_argument('--carry', default=str(KIT / '.bench'), help="bench/prepare_trees.py's packed folder")
     args = p.parse_args()
+    if args.kit_levers and args.call not in TAKE_KIT_LEVERS:
+        p.error(f'--kit-levers: the {args.call} call does not read it (only {", ".join(TAKE_KIT_LEVERS)})')
     if args.gpus is None:
         import torch
         args.gpus = 2 if args.dry_run else torch.cuda.device_count()
