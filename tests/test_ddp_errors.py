@@ -180,6 +180,13 @@ def test_batch_size_not_divisible_by_world_size(patched_tree, base, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_flag_argparse_cannot_read_is_one_line_not_a_usage_block_from_every_rank(patched_tree, base, tmp_path):
+    run = launch(patched_tree, 2, base() + ['--bogus'], tmp_path)
+    assert_clean_failure(run, 2, 'unrecognized arguments: --bogus', '--help lists the flags')
+    assert 'usage:' not in ''.join(run.outputs.values()), run.describe()
+
+
+@pytest.mark.slow
 def test_image_weights_under_ddp(patched_tree, base, tmp_path):
     run = launch(patched_tree, 2, base() + ['--image-weights'], tmp_path)
     assert_clean_failure(run, 2, '--image-weights', 'DDP')
@@ -341,6 +348,11 @@ def refused_launch(opt) -> str:
     with pytest.raises(cli.UsageError) as e:
         cli.check_launch(opt)
     return str(e.value)
+
+
+def test_a_value_argparse_cannot_read_is_a_usage_error(options):
+    with pytest.raises(cli.UsageError, match=r"argument --epochs: invalid int value: 'x' \(--help lists the flags\)"):
+        options('--epochs', 'x')
 
 
 @pytest.mark.parametrize('timeout', [0, -5])

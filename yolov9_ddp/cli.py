@@ -23,8 +23,16 @@ class UsageError(Unanimous):
     """A flag combination that cannot work; every rank detects it the same way before any collective."""
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's, but a command line it cannot read (a misspelt flag, a value of the wrong type) is a UsageError:
+    one line from rank 0, named in torchrun's summary (entry.report), not argparse's usage block from every rank."""
+
+    def error(self, message):
+        raise UsageError(f'{message} (--help lists the flags)')
+
+
 def build_parser(root: Path, task) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description=f'Train YOLOv9 models ending in {" or ".join(task.heads)} on one or many processes (torchrun), '
                     f'with the same flags as {task.upstream}.',
         epilog=f'Launch: torchrun --nproc_per_node N {task.script} ARGS (one process per GPU; --device cpu runs '

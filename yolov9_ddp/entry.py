@@ -56,7 +56,10 @@ def fail(script: str, error: Exception) -> int:
 
 def main(task_name: str, argv=None, root=None) -> int:
     task = TASKS[task_name]
-    opt = cli.parse_args(argv, root, task)
+    try:
+        opt = cli.parse_args(argv, root, task)
+    except cli.UsageError as e:
+        return outcome(task, None, e)
     failures.end_children_at_exit()
     try:
         cli.check_launch(opt)
