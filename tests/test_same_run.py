@@ -198,5 +198,23 @@ def test_a_run_continues_on_3_processes_and_on_2_again_training_every_image_once
     keys = [tuple(map(int, line.split())) for f in records.iterdir() for line in f.read_text().splitlines()]
     assert {f.name.split('-')[0] for f in records.iterdir()} == {'rank0', 'rank1', 'rank2'}
     for epoch in range(EPOCHS):
-        counts = Counter(index for e, index in keys if e == epoch)
+        counts = Counter(image for e, _, image in keys if e == epoch)
         assert sorted(counts) == list(range(IMAGES)) and set(counts.values()) == {1}, (epoch, counts)
+
+
+def test_image_weights_draw_the_same_images_with_loader_workers_as_without(patched_tree, data, tmp_path):
+    """--image-weights (one process): the training process draws each epoch's images by their weights (upstream's
+    dataset.indices); loader workers that lived across epochs would keep the draw of the epoch they started in. With
+    2 workers the run trains the images it trains with none, epoch by epoch. New interpreters: a one-process job
+    forked by the test launcher hangs at its first batch once it has loader workers (the note of 2026-12-04)."""
+    trained = {}
+    for workers in (0, 2):
+        records = tmp_path / f'records-{workers}'
+        records.mkdir()
+        finished(launch(patched_tree, tmp_path, f'workers-{workers}', 1, args(
+            data, tmp_path / f'runs-{workers}', '--image-weights', '--workers', workers), script=str(RECORDING),
+            RECORD_DIR=records, **NEW_INTERPRETERS))
+        trained[workers] = sorted(tuple(map(int, line.split())) for f in records.iterdir()
+                                  for line in f.read_text().splitlines())
+    assert {epoch for epoch, _, _ in trained[0]} == set(range(EPOCHS))
+    assert trained[2] == trained[0], 'with 2 workers other images were trained than with none'

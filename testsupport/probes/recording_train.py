@@ -1,5 +1,6 @@
 """ddp_train_dual.py, recording the samples each rank trains: the key (epoch, index) of every training sample
-loaded, one line each, appended to $RECORD_DIR/rank{RANK}-{pid}.txt. With --workers 0 a sample is loaded in the
+loaded and the image upstream's dataset loads for it (its `indices`: --image-weights' draw, else the index itself),
+one line each, `epoch index image`, appended to $RECORD_DIR/rank{RANK}-{pid}.txt. With --workers 0 a sample is loaded in the
 training process when its batch is next, so what is loaded is what is trained: a stop comes after a step.
 
     RECORD_DIR=/tmp/rec torchrun ... testsupport/probes/recording_train.py TRAIN_ARGS...   (in the patched tree)
@@ -19,7 +20,7 @@ loaded = stream.SeededSamples.__getitem__
 def recording(self, key):
     folder = Path(os.environ['RECORD_DIR'])
     with open(folder / f'rank{os.environ.get("RANK", 0)}-{os.getpid()}.txt', 'a') as f:
-        f.write(f'{key[0]} {key[1]}\n')
+        f.write(f'{key[0]} {key[1]} {self.dataset.indices[key[1]]}\n')
     return loaded(self, key)
 
 
