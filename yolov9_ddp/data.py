@@ -6,6 +6,7 @@ first (it writes the cache once for a shared folder), then the first process of 
 """
 import os
 import signal
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -81,9 +82,7 @@ def init_worker(worker_id, trainer_pid):
     seed_worker(worker_id)
 
 
-def make_loader(dataset, batch_size, workers, levers, cuda, collate_fn, sampler=None, batch_sampler=None,
-                persistent=True):
-    """persistent=False: workers start again every epoch, with the dataset as the training process has it then."""
+def make_loader(dataset, batch_size, workers, levers, cuda, collate_fn, sampler=None, batch_sampler=None):
     rank = comm.get_rank()
     generator = torch.Generator()
     generator.manual_seed(WORKER_SEED_BASE + rank)
@@ -93,7 +92,7 @@ def make_loader(dataset, batch_size, workers, levers, cuda, collate_fn, sampler=
     # unlike it, see set_epoch() before the next epoch's indices are drawn
     return DataLoader(dataset, num_workers=workers, pin_memory=cuda and levers.pin_memory, collate_fn=collate_fn,
                       worker_init_fn=partial(init_worker, trainer_pid=os.getpid()), generator=generator,
-                      persistent_workers=workers > 0 and levers.persistent_workers and persistent,
+                      persistent_workers=workers > 0 and levers.persistent_workers,
                       prefetch_factor=levers.prefetch_factor if workers > 0 else None, **batching)
 
 
@@ -108,10 +107,9 @@ def train_loader(task, path, imgsz, batch_per_rank, stride, opt, hyp, levers, cu
     mosaic_until = opt.epochs - opt.close_mosaic if opt.close_mosaic else None
     samples = SeededSamples(dataset, opt.seed, mosaic_until)
     workers = loader_workers(opt.workers, batch_per_rank)
-    # --image-weights draws each epoch's images into the dataset's indices in the training process (Trainer); workers
-    # that lived across epochs would keep their copy of the first draw
-    return make_loader(samples, None, workers, levers, cuda, task.collate(opt.quad), batch_sampler=batches,
-                       persistent=not opt.image_weights), dataset
+    if opt.image_weights:  # each epoch's draw goes into the dataset's indices in the training process (Trainer):
+        levers = replace(levers, persistent_workers=False)  # workers kept across epochs would keep the first draw
+    return make_loader(samples, None, workers, levers, cuda, task.collate(opt.quad), batch_sampler=batches), dataset
 
 
 def val_loader(task, path, imgsz, batch_per_rank, stride, opt, levers, cuda, prefix):
