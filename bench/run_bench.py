@@ -439,9 +439,9 @@ class Bench:
         n, data, size = self.n, self.dataset('parity'), self.size
         chosen, suffix = kit_levers(self.args.kit_levers)
 
-        def trained(gpus, levers):
+        def trained(gpus, levers, tag=''):
             def run(i):
-                name = f'parity-{gpus}gpu{"-upstream-numerics" if levers != chosen else ""}-seed{i}'
+                name = f'parity-{gpus}gpu{tag}-seed{i}'
                 return self.train_to_the_end(name, self.train_cmd(
                     self.kit, gpus, data, name, epochs=size['parity_epochs'], cfg=TINY_CFG, imgsz=size['parity_imgsz'],
                     batch=size['parity_batch'], seed=i, extra=['--noval', *levers]), self.kit)
@@ -453,7 +453,7 @@ class Bench:
             runs[kit] = trained(n, chosen)
             pairs[f'{results.PARITY}{suffix}/gpus'] = ('1 GPU', kit, points, 'mAP50-95 points apart: 1 GPU against '
                                                        'N GPUs, same global batch, epochs and seed')
-        runs[upstream_numerics] = trained(n, ['--levers', UPSTREAM_NUMERICS])
+        runs[upstream_numerics] = trained(n, ['--levers', UPSTREAM_NUMERICS], '-upstream-numerics')
         pairs[f'{results.PARITY}{suffix}/numerics'] = (upstream_numerics, kit, points, "mAP50-95 points apart: the "
                                                        "kit's defaults against upstream's numerics (--levers "
                                                        f'{UPSTREAM_NUMERICS}), same seed')
