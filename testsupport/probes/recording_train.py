@@ -1,7 +1,8 @@
 """ddp_train_dual.py, recording the samples each rank trains: the key (epoch, index) of every training sample
 loaded and the image upstream's dataset loads for it (its `indices`: --image-weights' draw, else the index itself),
-one line each, `epoch index image`, appended to $RECORD_DIR/rank{RANK}-{pid}.txt. With --workers 0 a sample is loaded in the
-training process when its batch is next, so what is loaded is what is trained: a stop comes after a step.
+one line each, `epoch index image`, appended to $RECORD_DIR/rank{RANK}-{pid}.txt. With --workers 0 a sample is
+loaded in the training process when its batch is next, so what is loaded is what is trained: a stop comes after a
+step.
 
     RECORD_DIR=/tmp/rec torchrun ... testsupport/probes/recording_train.py TRAIN_ARGS...   (in the patched tree)
 """
