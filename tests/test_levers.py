@@ -14,8 +14,8 @@ from testsupport import faults
 from testsupport.jobs import launch_cmd, run, train_args
 from testsupport.trees import describe as describe_result
 from yolov9_ddp import checkpoint, cli, graphs
-from yolov9_ddp.levers import (DETERMINISTIC, Levers, describe, fused_optimizer, levers_for, parse_levers,
-                               record_levers, requested_levers, resumed_levers)
+from yolov9_ddp.levers import (DETERMINISTIC, ONE_GPU_DEFAULTS, Levers, describe, fused_optimizer, levers_for,
+                               parse_levers, record_levers, requested_levers, resumed_levers)
 from yolov9_ddp.tasks import TASKS
 
 
@@ -142,6 +142,21 @@ def test_cuda_graphs_is_refused_in_one_line_where_it_cannot_work(tmp_path, monke
         assert refusal(flag).endswith('needs one input shape for the run: not with --multi-scale or --rect')
     assert 'not offered with --deterministic' in refusal('--device', '0', '--deterministic')
     assert graphs.unsupported(cli.parse_args(['--device', '0'], tmp_path, TASKS['detect-dual']), 1) == ''
+
+
+def test_a_new_run_on_one_gpu_takes_cuda_graphs_and_channels_last_unless_told_otherwise(tmp_path, monkeypatch):
+    def levers(*args, world=1):
+        opt = cli.parse_args(list(args), tmp_path, TASKS['detect-dual'])
+        return levers_for(opt, graphs.one_gpu_defaults(opt, world))
+    assert levers('--device', '0') == Levers(), 'no CUDA here'
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    assert levers('--device', '0') == replace(Levers(), **ONE_GPU_DEFAULTS) == replace(
+        Levers(), cuda_graphs=True, channels_last=True)
+    assert levers('--device', 'cpu') == levers('--device', '0,1', world=2) == Levers()
+    assert levers('--device', '0', '--resume') == Levers(), "a resume keeps the run's own (recorded) levers"
+    assert levers('--device', '0', '--multi-scale') == replace(Levers(), channels_last=True)
+    assert levers('--device', '0', '--levers', 'channels_last=0') == replace(Levers(), cuda_graphs=True)
+    assert levers('--device', '0', '--deterministic') == replace(Levers(), **DETERMINISTIC)
 
 
 def test_a_runs_cuda_graphs_turns_off_in_one_line_where_a_resume_cannot_use_it(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from yolov9_ddp.levers import Levers, describe, parse_levers
+from yolov9_ddp.levers import ONE_GPU_DEFAULTS, Levers, describe, parse_levers
 
 
 def unsupported(opt, world_size: int) -> str:
@@ -27,6 +27,15 @@ def unsupported(opt, world_size: int) -> str:
         return ('is not offered with --deterministic: its capture failed there in cuDNN '
                 '(CUDNN_STATUS_INTERNAL_ERROR, bench/RESULTS.md)')
     return ''
+
+
+def one_gpu_defaults(opt, world_size: int) -> dict:
+    """The levers.ONE_GPU_DEFAULTS a new run takes here: none on CPUs, on more processes or on resume (a run keeps
+    its own), and cuda_graphs only where this run can use it."""
+    if opt.resume or world_size > 1 or opt.device == 'cpu' or not torch.cuda.is_available():
+        return {}
+    return {name: value for name, value in ONE_GPU_DEFAULTS.items()
+            if name != 'cuda_graphs' or not unsupported(opt, world_size)}
 
 
 def off_where_unsupported(opt, world_size: int, given: dict, log=print) -> str:

@@ -41,6 +41,12 @@ class Levers:
     cuda_graphs: bool = False  # forward and backward replayed as CUDA graphs, one GPU (yolov9_ddp/graphs.py)
 
 
+# The defaults of a new run on one CUDA process, measured there (bench/RESULTS.md, "CUDA graphs with channels-last":
+# 1.49x the defaults end to end on one H200, 3 pairs; parity: PENDING, bench/PLAN.md): channels-last makes the
+# GPU's step faster, and CUDA graphs let the loop reach it. Not on more processes (not measured there) nor on CPUs;
+# cuda_graphs only where yolov9_ddp/graphs.py can use it. --levers and --deterministic win over them.
+ONE_GPU_DEFAULTS = {'cuda_graphs': True, 'channels_last': True}
+
 # the levers that change the arithmetic or let it vary from run to run: --deterministic turns them off
 DETERMINISTIC = {'cudnn_benchmark': False, 'fused_optimizer': False, 'foreach_ema': False, 'channels_last': False}
 CUBLAS_WORKSPACE = ':4096:8'  # what cuBLAS needs for deterministic results (upstream's init_seeds sets it too)
@@ -94,8 +100,9 @@ def requested_levers(options, known_only=True, warn=print) -> dict:
     return {**flags, **asked, **DETERMINISTIC}
 
 
-def levers_for(opt) -> Levers:
-    return replace(Levers(), **requested_levers(opt))
+def levers_for(opt, defaults: dict = None) -> Levers:
+    """The levers opt asks for, over Levers' defaults and the given ones (a new run's ONE_GPU_DEFAULTS)."""
+    return replace(Levers(), **{**(defaults or {}), **requested_levers(opt)})
 
 
 def describe(levers: Levers) -> str:
@@ -103,9 +110,9 @@ def describe(levers: Levers) -> str:
     return ','.join(f'{f.name}={int(getattr(levers, f.name))}' for f in fields(Levers))
 
 
-def record_levers(opt) -> Levers:
+def record_levers(opt, defaults: dict = None) -> Levers:
     """The run's levers, written into opt as their complete description (so into opt.yaml and the checkpoints)."""
-    levers = levers_for(opt)
+    levers = levers_for(opt, defaults)
     opt.levers = describe(levers)
     return levers
 
