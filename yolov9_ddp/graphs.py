@@ -29,10 +29,12 @@ def unsupported(opt, world_size: int) -> str:
     return ''
 
 
-def one_gpu_defaults(opt, world_size: int) -> dict:
-    """The levers.ONE_GPU_DEFAULTS a new run takes here: none on CPUs, on more processes or on resume (a run keeps
-    its own), and cuda_graphs only where this run can use it."""
-    if opt.resume or world_size > 1 or opt.device == 'cpu' or not torch.cuda.is_available():
+def one_gpu_defaults(opt, world_size: int, task) -> dict:
+    """The levers.ONE_GPU_DEFAULTS a new run takes here: none on CPUs, on more processes, on resume (a run keeps
+    its own) or for an entry point not measured with them (task.one_gpu_defaults), and cuda_graphs only where this
+    run can use it."""
+    if not task.one_gpu_defaults or opt.resume or world_size > 1 or opt.device == 'cpu' or \
+            not torch.cuda.is_available():
         return {}
     return {name: value for name, value in ONE_GPU_DEFAULTS.items()
             if name != 'cuda_graphs' or not unsupported(opt, world_size)}
