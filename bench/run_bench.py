@@ -59,10 +59,12 @@ sys.path.insert(0, str(KIT))
 from bench import photo_data, prepare_trees, results  # noqa: E402
 from testsupport import imagecache  # noqa: E402
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset  # noqa: E402
+from yolov9_ddp.levers import DETERMINISTIC  # noqa: E402
 from yolov9_ddp.tasks import TASKS  # noqa: E402
 
 NCCL_SAFETY = {'NCCL_NVLS_ENABLE': '0', 'TORCH_SYMM_MEM_DISABLE_MULTICAST': '1', 'NVSHMEM_DISABLE_NVLS': '1'}
-UPSTREAM_NUMERICS = 'cudnn_benchmark=0,fused_optimizer=0,foreach_ema=0'  # the kit's levers that change the math
+# the kit's levers that change the arithmetic, at upstream's values (channels_last is a default on one GPU)
+UPSTREAM_NUMERICS = ','.join(f'{name}={int(on)}' for name, on in DETERMINISTIC.items())
 TINY_CFG = str(KIT / 'yolov9_ddp' / 'models' / 'tiny-dual.yaml')
 IN_LOOP = re.compile(r'epoch (\d+): (\d+) images in ([\d.]+) s \(([\d.]+) img/s\)')
 FINAL_MAP = re.compile(r'Final:.*mAP50-95 ([\d.]+)')
@@ -472,21 +474,23 @@ class Bench:
 
     def entry_points(self):
         """Each kit entry point trains a whole short run on N GPUs (NCCL) with an upstream model of its kind, on its
-        task's demo data (boxes; polygons for segmentation): the in-loop img/s of its last epoch, its final metrics."""
+        task's demo data (boxes; polygons for segmentation): the in-loop img/s of its last epoch, its final metrics.
+        --kit-levers L: with --levers L, recorded as 'NAME (--levers L)'."""
         n, size = self.n, self.size['quick_entry' if self.args.quick else 'entry']
+        chosen, suffix = kit_levers(self.args.kit_levers)
         record = self.record.setdefault('entry_points', {})
         for name, task in TASKS.items():
             if self.elapsed() > self.deadline:
-                record[name] = {'error': 'not run: the call reached its deadline'}
+                record[name + suffix] = {'error': 'not run: the call reached its deadline'}
                 continue
             spec = DemoSpec(train=size['train'], val=size['val'], imgsz=size['imgsz'],
                             labels='polygons' if task.masks else 'boxes')
             data = ensure_demo_dataset(self.work / f'entry-data-{spec.labels}', spec)
             cfg = ENTRY_POINT_CFGS[name] if self.cuda else str(KIT / 'yolov9_ddp' / 'models' / task.demo_cfg)
             cmd = self.train_cmd(self.kit, n, data, f'entry-{name}', epochs=size['epochs'], cfg=cfg,
-                                 imgsz=size['imgsz'], batch=size['batch_per_gpu'] * n)
+                                 imgsz=size['imgsz'], batch=size['batch_per_gpu'] * n, extra=chosen)
             cmd[len(launcher(n))] = task.script
-            record[name] = self.whole_run(f'entry-{name}', cmd, self.kit)
+            record[name + suffix] = self.whole_run(f'entry-{name}', cmd, self.kit)
             self.save()
 
     def whole_run(self, name, cmd, tree) -> dict:
@@ -521,7 +525,7 @@ CALLS = {'per-gpu': Bench.per_gpu, 'scaling': Bench.scaling, 'step': Bench.step,
          'parity': Bench.parity, 'cache-speed': Bench.cache_speed, 'lever': Bench.lever,
          'entry-points': Bench.entry_points, 'per-gpu-det': Bench.per_gpu_det, 'loop-lever': Bench.loop_lever,
          'ckpt-minutes': Bench.ckpt_minutes}
-TAKE_KIT_LEVERS = ('per-gpu', 'per-gpu-det', 'parity')  # the calls whose kit runs take --kit-levers
+TAKE_KIT_LEVERS = ('per-gpu', 'per-gpu-det', 'parity', 'entry-points')  # the calls whose kit runs take --kit-levers
 PERIODIC = re.compile(r'--checkpoint-(minutes|steps)\b')
 SKIPPED = re.compile(r'checkpoint at epoch \d+ step \d+ skipped')  # CheckpointWriter's line: a due one not written
 
@@ -675,7 +679,7 @@ def main():
     p.add_argument('--lever', default='channels_last=1', help="the 'lever' and 'loop-lever' calls' --levers")
     p.add_argument('--end-to-end', action='store_true', help="loop-lever: the kit with the lever too")
     p.add_argument('--kit-levers', default='',
-                   help="per-gpu, per-gpu-det, parity (others refuse it): --levers for the kit's runs; the series "
+                   help="per-gpu, per-gpu-det, parity, entry-points (others refuse it): --levers for the kit's runs; the series "
                         'keys name them')
     p.add_argument('--checkpoint-minutes', type=float, default=0.1, metavar='M',
                    help="ckpt-minutes: the kit's period; 0.1 (6 s) writes one or two in a timed epoch of 2048 images "
