@@ -525,7 +525,10 @@ CALLS = {'per-gpu': Bench.per_gpu, 'scaling': Bench.scaling, 'step': Bench.step,
          'parity': Bench.parity, 'cache-speed': Bench.cache_speed, 'lever': Bench.lever,
          'entry-points': Bench.entry_points, 'per-gpu-det': Bench.per_gpu_det, 'loop-lever': Bench.loop_lever,
          'ckpt-minutes': Bench.ckpt_minutes}
-TAKE_KIT_LEVERS = ('per-gpu', 'per-gpu-det', 'parity', 'entry-points')  # the calls whose kit runs take --kit-levers
+# the options only some calls read, and which: any other call given one refuses it, rather than measure without it
+READ_BY = {'kit_levers': ('per-gpu', 'per-gpu-det', 'parity', 'entry-points'), 'lever': ('lever', 'loop-lever'),
+           'end_to_end': ('loop-lever',), 'checkpoint_minutes': ('ckpt-minutes',), 'quick': ('entry-points',)}
+OPTION_DEFAULTS = {'lever': 'channels_last=1', 'checkpoint_minutes': 0.1}  # set after that check: None is 'not given'
 PERIODIC = re.compile(r'--checkpoint-(minutes|steps)\b')
 SKIPPED = re.compile(r'checkpoint at epoch \d+ step \d+ skipped')  # CheckpointWriter's line: a due one not written
 
@@ -666,6 +669,16 @@ def stop(proc, cuda: bool):
         time.sleep(2)  # let the GPUs' memory drain before the next run
 
 
+def refuse_unread_options(parser, args):
+    """One line for an option the call does not read (READ_BY); then the defaults of those given no value."""
+    for dest, calls in READ_BY.items():
+        if getattr(args, dest) not in (None, False, '') and args.call not in calls:
+            parser.error(f'--{dest.replace("_", "-")}: the {args.call} call does not read it (only {", ".join(calls)})')
+    for dest, default in OPTION_DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('call', choices=CALLS)
@@ -676,12 +689,12 @@ def main():
     p.add_argument('--dry-run', action='store_true', help='CPUs and gloo, tiny sizes: proves the harness')
     p.add_argument('--quick', action='store_true',
                    help='entry-points: 64 + 32 images at 160 px, one epoch each: that each trains, not how fast')
-    p.add_argument('--lever', default='channels_last=1', help="the 'lever' and 'loop-lever' calls' --levers")
+    p.add_argument('--lever', help="the 'lever' and 'loop-lever' calls' --levers (default: channels_last=1)")
     p.add_argument('--end-to-end', action='store_true', help="loop-lever: the kit with the lever too")
     p.add_argument('--kit-levers', default='',
                    help="per-gpu, per-gpu-det, parity, entry-points (others refuse it): --levers for the kit's runs; the series "
                         'keys name them')
-    p.add_argument('--checkpoint-minutes', type=float, default=0.1, metavar='M',
+    p.add_argument('--checkpoint-minutes', type=float, metavar='M',
                    help="ckpt-minutes: the kit's period; 0.1 (6 s) writes one or two in a timed epoch of 2048 images "
                         '(about 14 s; a save at the epoch end restarts the clock, so 0.25 would write none there)')
     p.add_argument('--dataset', choices=('photo', 'demo'), default='photo',
@@ -689,8 +702,7 @@ def main():
     p.add_argument('--work', default='/tmp/yolov9-ddp-bench', help='trees, datasets, runs, logs')
     p.add_argument('--carry', default=str(KIT / '.bench'), help="bench/prepare_trees.py's packed folder")
     args = p.parse_args()
-    if args.kit_levers and args.call not in TAKE_KIT_LEVERS:
-        p.error(f'--kit-levers: the {args.call} call does not read it (only {", ".join(TAKE_KIT_LEVERS)})')
+    refuse_unread_options(p, args)
     if args.gpus is None:
         import torch
         args.gpus = 2 if args.dry_run else torch.cuda.device_count()

@@ -62,6 +62,23 @@ def test_a_series_of_the_kit_with_other_levers_than_its_defaults_never_stands_fo
     assert merged['pairs'][f'per_gpu_vs_upstream_1gpu{suffix}']['median'] == 2.1
 
 
+def test_an_option_the_call_does_not_read_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
+    def main(*argv):
+        monkeypatch.setattr(sys, 'argv', ['run_bench.py', *argv, '--out', str(tmp_path)])
+        with pytest.raises(SystemExit) as stopped:
+            run_bench.main()
+        return stopped.value.code, capsys.readouterr().err.splitlines()[-1]
+    assert main('per-gpu', '--lever', 'cuda_graphs=1') == (
+        2, 'run_bench.py: error: --lever: the per-gpu call does not read it (only lever, loop-lever)')
+    assert main('lever', '--checkpoint-minutes', '1')[1].endswith('(only ckpt-minutes)')
+    assert main('per-gpu', '--quick')[1].endswith('(only entry-points)')
+    assert 'does not read it' in main('lever', '--kit-levers', 'channels_last=1')[1]
+    given = run_bench.argparse.Namespace(call='lever', kit_levers='', lever=None, end_to_end=False,
+                                         checkpoint_minutes=None, quick=False)
+    run_bench.refuse_unread_options(None, given)
+    assert (given.lever, given.checkpoint_minutes) == ('channels_last=1', 0.1), 'the defaults, once not refused'
+
+
 def test_the_step_profile_ranks_the_operators_by_their_own_time():
     from bench import gpu_step
     big, small = torch.rand(400, 400), torch.rand(4)
