@@ -84,9 +84,8 @@ def checkpoint_key(minutes: float, n: int) -> str:
     return f'checkpoint_minutes_{minutes:g}_vs_none_{n}gpu'
 
 
-def checkpoint_what(minutes: float) -> str:
-    return (f'kit img/s with a periodic checkpoint every {minutes:g} minutes ({minutes * 60:g} s) / without, N GPUs '
-            '(second epoch, from results.csv)')
+def checkpoint_what(minutes: float, measured='N GPUs (second epoch, from results.csv)') -> str:
+    return f'kit img/s with a periodic checkpoint every {minutes:g} minutes ({minutes * 60:g} s) / without, {measured}'
 
 
 def checkpoint_note(minutes: float) -> str:

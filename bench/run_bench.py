@@ -27,6 +27,10 @@ CALL (bench/PLAN.md has the device calls; bench/results.py the targets):
                checkpoints counted                          -> checkpoint_minutes_M_vs_none_Ngpu (and its in-loop
                                                                twin); with M <= 1 it bounds
                                                                checkpoint_minutes_1_vs_none_1gpu (bench/results.py)
+  ckpt-windows one run of the kit on 1 GPU, one long epoch (the main dataset W-fold, as links) with a periodic
+               checkpoint every 2W s: the W s around each | the W s after it, which have none (bench/ckpt_windows.py,
+               --window-s W, default 60)                    -> checkpoint_minutes_W/60_vs_none_1gpu: with W = 60,
+                                                               checkpoint_minutes_1_vs_none_1gpu itself
   entry-points every kit entry point (ddp_train.py, ..., segment/ddp_train_dual.py) trains on N GPUs: a whole
                short run each, an upstream model of its kind on its task's demo data  -> entry_points (no target)
 
@@ -51,6 +55,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 KIT = Path(__file__).resolve().parents[1]
@@ -58,7 +63,7 @@ sys.path.insert(0, str(KIT))
 
 from bench import photo_data, prepare_trees, results  # noqa: E402
 from testsupport import imagecache  # noqa: E402
-from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset  # noqa: E402
+from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset, generated_dataset  # noqa: E402
 from yolov9_ddp.levers import DETERMINISTIC  # noqa: E402
 from yolov9_ddp.tasks import TASKS  # noqa: E402
 
@@ -83,13 +88,14 @@ SIZES = {
                 parity=photo_data.PhotoSpec(train=4096, val=500, scale=0.5), parity_imgsz=256, parity_batch=64,
                 parity_epochs=4, steps=(15, 40), run_timeout_s=300,
                 entry=dict(train=1024, val=256, imgsz=320, epochs=3, batch_per_gpu=16),
-                quick_entry=dict(train=64, val=32, imgsz=160, epochs=1, batch_per_gpu=8)),
+                quick_entry=dict(train=64, val=32, imgsz=160, epochs=1, batch_per_gpu=8),
+                ckpt_copies=40),  # 40 x 4096 images: 546 s at 300 img/s, past the 7.5 W = 450 s that W = 60 takes
     'dry-run': dict(cfg=TINY_CFG, imgsz=64, batch_per_gpu=4, workers=1, deadline_s=1500,
                     **{name: photo_data.PhotoSpec(train=32, val=16, scale=0.2)
                        for name in ('main', 'short', 'memory', 'lever', 'parity')},
                     parity_imgsz=64, parity_batch=8, parity_epochs=2, steps=(2, 3), run_timeout_s=300,
                     entry=dict(train=16, val=8, imgsz=64, epochs=1, batch_per_gpu=4),
-                    quick_entry=dict(train=16, val=8, imgsz=64, epochs=1, batch_per_gpu=4)),
+                    quick_entry=dict(train=16, val=8, imgsz=64, epochs=1, batch_per_gpu=4), ckpt_copies=100),
 }
 
 
@@ -196,12 +202,12 @@ class Bench:
                                     start_new_session=True)
         return proc, log_path
 
-    def run_to_end(self, name, cmd, tree, timeout_fails=True):
-        """(process, log path) of cmd run to its end; stopped after run_timeout_s, which is a RunFailed unless
-        timeout_fails is False (then the caller reads what the log holds)."""
+    def run_to_end(self, name, cmd, tree, timeout_fails=True, timeout=None):
+        """(process, log path) of cmd run to its end; stopped after timeout (run_timeout_s), which is a RunFailed
+        unless timeout_fails is False (then the caller reads what the log holds)."""
         proc, log_path = self.launch(name, cmd, tree)
         try:
-            proc.wait(timeout=self.size['run_timeout_s'])
+            proc.wait(timeout=timeout or self.size['run_timeout_s'])
         except subprocess.TimeoutExpired:
             if timeout_fails:
                 raise RunFailed(f'{name} timed out: {log_tail(log_path)}') from None
@@ -267,12 +273,12 @@ class Bench:
         return {'map50_95': float(final[-1]), 'seconds': round(time.monotonic() - started),
                 'best_row': best_row(self.work / 'runs' / name / 'results.csv'), 'command': ' '.join(cmd)}
 
-    def job(self, name, script_args, gpus, tree) -> dict:
+    def job(self, name, script_args, gpus, tree, timeout=None) -> dict:
         """A bench script (gpu_step.py, val_time.py) run in tree on gpus processes; its JSON."""
         out = self.logs / f'{name}.json'
         out.unlink(missing_ok=True)
         cmd = [str(x) for x in [*launcher(gpus), *script_args[:1], out, *script_args[1:]]]
-        proc, log_path = self.run_to_end(name, cmd, tree)
+        proc, log_path = self.run_to_end(name, cmd, tree, timeout=timeout)
         if proc.returncode or not out.exists():
             raise RunFailed(f'{name} exited with {proc.returncode}: {log_tail(log_path)}')
         figures = {**json.loads(out.read_text()), 'command': ' '.join(cmd)}
@@ -364,6 +370,35 @@ class Bench:
                                  "the same runs' in-loop img/s (their 'epoch 1' log lines): without the epoch's "
                                  'end, where the synchronous save waits for a periodic write under way')})
         self.record['pairs'][key]['note'] = results.checkpoint_note(minutes)
+        self.save()
+
+    def ckpt_windows(self):
+        """Issue 23: one run of the kit on one GPU (bench/ckpt_windows.py) pairs the W seconds around each periodic
+        checkpoint with the W after it, which hold none. Its warm-up is shortened to 100 steps (upstream's 3 epochs
+        would be the whole run here, its accumulation and learning rate changing under the windows)."""
+        window, copies = self.args.window_s, self.size['ckpt_copies']
+        data = repeated(self.dataset('main'), copies)
+        hyp = self.work / 'hyp-short-warmup.yaml'
+        hyp.write_text(re.sub(r'^warmup_epochs: .*$', 'warmup_epochs: 0  # 100 steps, the least',
+                              (self.kit / 'data/hyps/hyp.scratch-high.yaml').read_text(), flags=re.M))
+        key = results.checkpoint_key(window / 60, 1)
+        series = {'call': self.args.call, 'a': f'{window:g} s without a checkpoint',
+                  'b': f'{window:g} s around one periodic checkpoint', 'ratio_is': results.checkpoint_what(
+                      window / 60, '1 GPU, windows of one run (bench/ckpt_windows.py)'), 'pairs': []}
+        name = 'ckpt-windows-1gpu'
+        args = self.train_cmd(self.kit, 1, data, name, epochs=1, extra=['--noval', '--hyp', hyp])
+        try:
+            script = [KIT / 'bench' / 'ckpt_windows.py', '--window-s', window, '--pairs', self.args.pairs]
+            job = self.job(name, [*script, *args[len(launcher(1)) + 1:]], 1, self.kit,
+                           timeout=(2 * self.args.pairs + 3) * window + 120)
+            series['job'] = {k: v for k, v in job.items() if k != 'pairs'}
+            series['pairs'] = [{'a': p['without'], 'b': {**p['with'], 'checkpoints': {  # one in each window of W s
+                                    'per_minute_in_timed_epoch': round(60 / window, 2)}},
+                                'ratio': round(p['with']['img_per_s'] / p['without']['img_per_s'], 4)}
+                               for p in job['pairs']]
+        except RunFailed as e:
+            series['error'] = str(e)
+        self.record['pairs'][key] = results.summarise(series)
         self.save()
 
     def scaling(self):
@@ -524,13 +559,38 @@ class Bench:
 CALLS = {'per-gpu': Bench.per_gpu, 'scaling': Bench.scaling, 'step': Bench.step, 'val-cache': Bench.val_cache,
          'parity': Bench.parity, 'cache-speed': Bench.cache_speed, 'lever': Bench.lever,
          'entry-points': Bench.entry_points, 'per-gpu-det': Bench.per_gpu_det, 'loop-lever': Bench.loop_lever,
-         'ckpt-minutes': Bench.ckpt_minutes}
+         'ckpt-minutes': Bench.ckpt_minutes, 'ckpt-windows': Bench.ckpt_windows}
 # the options only some calls read, and which: any other call given one refuses it, rather than measure without it
 READ_BY = {'kit_levers': ('per-gpu', 'per-gpu-det', 'parity', 'entry-points'), 'lever': ('lever', 'loop-lever'),
-           'end_to_end': ('loop-lever',), 'checkpoint_minutes': ('ckpt-minutes',), 'quick': ('entry-points',)}
-OPTION_DEFAULTS = {'lever': 'channels_last=1', 'checkpoint_minutes': 0.1}  # set after that check: None is 'not given'
+           'end_to_end': ('loop-lever',), 'checkpoint_minutes': ('ckpt-minutes',), 'quick': ('entry-points',),
+           'window_s': ('ckpt-windows',)}
+# set after that check: None is 'not given'
+OPTION_DEFAULTS = {'lever': 'channels_last=1', 'checkpoint_minutes': 0.1, 'window_s': 60.0}
 PERIODIC = re.compile(r'--checkpoint-(minutes|steps)\b')
 SKIPPED = re.compile(r'checkpoint at epoch \d+ step \d+ skipped')  # CheckpointWriter's line: a due one not written
+
+
+@dataclass(frozen=True)
+class Repeated:
+    """A dataset whose training set is another's `copies` times over, as symbolic links named apart (upstream's
+    loader keeps one entry per path), its validation set the other's: an epoch as long as `copies` of the other's."""
+    source: str  # the other's data.yaml
+    copies: int
+
+
+def repeated(data_yaml: str, copies: int) -> str:
+    source, root = Path(data_yaml).parent, Path(data_yaml).parent.with_name(f'{Path(data_yaml).parent.name}-x{copies}')
+
+    def write(folder: Path):
+        for kind in ('images', 'labels'):
+            (folder / kind / 'train').mkdir(parents=True)
+            for file in sorted((source / kind / 'train').iterdir()):
+                for k in range(copies):
+                    (folder / kind / 'train' / f'{k:03d}-{file.name}').symlink_to(file)
+            (folder / kind / 'val').symlink_to(source / kind / 'val')
+        (folder / 'data.yaml').write_text(re.sub(r'^path: .*$', f'path: {root.resolve()}',
+                                                 Path(data_yaml).read_text(), flags=re.M))
+    return str(generated_dataset(root, Repeated(str(data_yaml), copies), 'repeated.json', 'a repeated dataset', write))
 
 
 def kit_levers(lever: str):
@@ -692,11 +752,13 @@ def main():
     p.add_argument('--lever', help="the 'lever' and 'loop-lever' calls' --levers (default: channels_last=1)")
     p.add_argument('--end-to-end', action='store_true', help="loop-lever: the kit with the lever too")
     p.add_argument('--kit-levers', default='',
-                   help="per-gpu, per-gpu-det, parity, entry-points (others refuse it): --levers for the kit's runs; the series "
-                        'keys name them')
+                   help="per-gpu, per-gpu-det, parity, entry-points (others refuse it): --levers for the kit's runs; "
+                        'the series keys name them')
     p.add_argument('--checkpoint-minutes', type=float, metavar='M',
                    help="ckpt-minutes: the kit's period; 0.1 (6 s) writes one or two in a timed epoch of 2048 images "
                         '(about 14 s; a save at the epoch end restarts the clock, so 0.25 would write none there)')
+    p.add_argument('--window-s', type=float, metavar='W',
+                   help='ckpt-windows: seconds a window (default 60: a checkpoint a minute in the windows with one)')
     p.add_argument('--dataset', choices=('photo', 'demo'), default='photo',
                    help="photo: bench/photo_data.py's photographs (needs scikit-image); demo: the kit's flat shapes")
     p.add_argument('--work', default='/tmp/yolov9-ddp-bench', help='trees, datasets, runs, logs')

@@ -74,9 +74,9 @@ def test_an_option_the_call_does_not_read_is_refused_in_one_line(monkeypatch, ca
     assert main('per-gpu', '--quick')[1].endswith('(only entry-points)')
     assert 'does not read it' in main('lever', '--kit-levers', 'channels_last=1')[1]
     given = run_bench.argparse.Namespace(call='lever', kit_levers='', lever=None, end_to_end=False,
-                                         checkpoint_minutes=None, quick=False)
+                                         checkpoint_minutes=None, quick=False, window_s=None)
     run_bench.refuse_unread_options(None, given)
-    assert (given.lever, given.checkpoint_minutes) == ('channels_last=1', 0.1), 'the defaults, once not refused'
+    assert (given.lever, given.checkpoint_minutes, given.window_s) == ('channels_last=1', 0.1, 60), 'the defaults'
 
 
 def test_the_step_profile_ranks_the_operators_by_their_own_time():
@@ -85,6 +85,26 @@ def test_the_step_profile_ranks_the_operators_by_their_own_time():
     profiled = gpu_step.profile_steps(lambda i: (big @ big, small + i), 0, 3, cuda=False)
     assert profiled['ops'][0][0] == 'aten::mm' and profiled['ops'][0][2] > 0.5, profiled
     assert profiled['measure'] == 'CPU' and 0 < profiled['busy_ms_per_step'] <= profiled['wall_ms_per_step']
+
+
+def test_checkpoint_windows_pair_the_seconds_around_each_checkpoint_with_the_seconds_after_it():
+    """bench/ckpt_windows.py's arithmetic on a made-up run: a batch a second, a stamp every 2, each checkpoint (at
+    batches 20 and 40) stalling the run 2 s; windows of 10 s."""
+    from bench.ckpt_windows import Enough, TooShort, Windows
+    now = [0]
+    windows = Windows(window_s=10, pairs=2, every=2, cuda=False, clock=lambda: now[0])
+    with pytest.raises(Enough):
+        for i in range(100):
+            now[0] = i + 2 * (i > 20) + 2 * (i > 40)
+            if i in (20, 40):
+                windows.checkpoints.append(now[0])  # as the Trainer's save_periodic, before the step's stamp
+            windows.stamp(0, i)
+    assert i == 54 and now[0] >= 42 + 15, 'the run stops once the second pair\'s window without has passed'
+    with_one, without = {'img_per_s': 3.0, 'seconds': 8, 'batches': 6}, {'img_per_s': 4.0, 'seconds': 8, 'batches': 8}
+    assert windows.pairs_of(batch=4) == [{'checkpoint_at_s': 20, 'without': without, 'with': with_one},
+                                         {'checkpoint_at_s': 42, 'without': without, 'with': with_one}]
+    with pytest.raises(TooShort):
+        windows.stamp(1, 0)
 
 
 @pytest.mark.slow

@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""A periodic checkpoint every W seconds against none, inside one training run of the kit: alternating windows of
+one long epoch (issue 23's checkpoint_minutes_1_vs_none_1gpu with W = 60).
+
+    python bench/ckpt_windows.py OUT.json [--window-s W] [--pairs P] ARGS      (cwd: the kit tree, one process)
+
+ARGS are ddp_train_dual.py's; the run trains with --checkpoint-minutes 2W/60 added, on a training set longer than
+the run (an epoch's end saves last.pt and restarts the checkpoints' clock, so the run fails in one line if its epoch
+ends first). Around each periodic checkpoint, taken at c, the window [c - W/2, c + W/2) holds that one only, and the
+next, [c + W/2, c + 3W/2), holds none: pair k is (the window without, the window with) of the k-th checkpoint. A
+window's img/s is its batches over the time from the first to the last of its stamps, taken every progress_every
+steps after waiting for the GPU (the kit's loop waits for it there anyway, to print its losses). The run stops
+after the P-th pair, about (2P + 1.5) W seconds after the Trainer starts.
+
+Why one run: two runs per pair would each need epochs of minutes to hold a checkpoint a minute, and 3 pairs of
+them do not fit one 10-minute device call; windows of one run share the process, the data stream and the GPU's
+warmth with their neighbours.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path.cwd()
+sys.path.insert(0, str(ROOT))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.gpu_step import TASK  # noqa: E402
+from yolov9_ddp import cli, comm  # noqa: E402
+
+
+class Enough(Exception):
+    """The run has trained the windows it was asked for."""
+
+
+class TooShort(Exception):
+    """The epoch ended before the windows did."""
+
+
+class Windows:
+    """Stamps (seconds, batches trained) of one run at the GPU's pace, and when its periodic checkpoints began."""
+
+    def __init__(self, window_s: float, pairs: int, every: int, cuda: bool, clock=time.monotonic):
+        self.window_s, self.pairs, self.every, self.cuda, self.clock = window_s, pairs, every, cuda, clock
+        self.stamps, self.checkpoints, self.epoch = [], [], None
+
+    def stamp(self, epoch: int, i: int):
+        """After batch i of epoch: a stamp every `every` batches; Enough once the last window has passed."""
+        if self.epoch is None:
+            self.epoch = epoch
+        if epoch != self.epoch:
+            raise TooShort(f'the epoch ended after {len(self.stamps) * self.every} batches, before the windows did: '
+                           'give a larger training set')
+        if i % self.every:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.stamps.append((self.clock(), i + 1))
+        if len(self.checkpoints) >= self.pairs and self.stamps[-1][0] >= self.checkpoints[self.pairs - 1] + \
+                1.5 * self.window_s:
+            raise Enough
+
+    def rate(self, start: float, end: float, batch: int) -> dict:
+        """img/s from the first to the last stamp in [start, end)."""
+        inside = [(t, n) for t, n in self.stamps if start <= t < end]
+        (t0, n0), (t1, n1) = inside[0], inside[-1]
+        return {'img_per_s': round((n1 - n0) * batch / (t1 - t0), 2), 'seconds': round(t1 - t0, 2),
+                'batches': n1 - n0}
+
+    def pairs_of(self, batch: int) -> list:
+        half, taken = self.window_s / 2, self.checkpoints[:self.pairs]
+        started = self.stamps[0][0]
+        return [{'checkpoint_at_s': round(c - started, 1), 'without': self.rate(c + half, c + 3 * half, batch),
+                 'with': self.rate(c - half, c + half, batch)} for c in taken]
+
+
+def instrument(trainer, windows: Windows):
+    """Stamp after every step and note when each periodic checkpoint starts (on the Trainer object only)."""
+    after_step, save_periodic = trainer.after_step, trainer.save_periodic
+
+    def stamped_after_step(epoch, i, ni, mloss):
+        after_step(epoch, i, ni, mloss)
+        windows.stamp(epoch, i)
+
+    def noted_save_periodic(where):
+        windows.checkpoints.append(windows.clock())
+        save_periodic(where)
+    trainer.after_step, trainer.save_periodic = stamped_after_step, noted_save_periodic
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('out', type=Path)
+    p.add_argument('--window-s', type=float, default=60.0, metavar='W')
+    p.add_argument('--pairs', type=int, default=3)
+    args, train_args = p.parse_known_args()
+    opt = cli.parse_args([*train_args, '--checkpoint-minutes', f'{2 * args.window_s / 60:g}'], ROOT, TASK)
+    if comm.launched_world_size() > 1:
+        raise SystemExit('ckpt_windows.py: one process (periodic checkpoints are rank 0\'s; the windows are its)')
+    cli.check_options(opt, 1, TASK)
+    device = comm.select_device(opt.device)
+    from yolov9_ddp.trainer import plan_start, prepare_trainer
+    with comm.process_group(device):
+        trainer = prepare_trainer(TASK, opt, device, plan_start(opt))
+        windows = Windows(args.window_s, args.pairs, trainer.levers.progress_every, device.type == 'cuda')
+        instrument(trainer, windows)
+        try:
+            trainer.fit()
+            raise TooShort('the run ended before the windows did: give more epochs or a larger training set')
+        except Enough:
+            pass
+        except TooShort as e:
+            raise SystemExit(f'ckpt_windows.py: {e}') from None
+        finally:
+            trainer.close()  # a checkpoint write under way ends first
+        if len(windows.checkpoints) < args.pairs:
+            raise SystemExit(f'ckpt_windows.py: {len(windows.checkpoints)} periodic checkpoints, not {args.pairs}')
+        args.out.write_text(json.dumps({
+            'window_s': args.window_s, 'checkpoint_minutes': opt.checkpoint_minutes, 'levers': opt.levers,
+            'batch': trainer.batch_size,
+            'checkpoints_at_s': [round(c - windows.stamps[0][0], 1) for c in windows.checkpoints],
+            'pairs': windows.pairs_of(trainer.batch_size)}))
+
+
+if __name__ == '__main__':
+    main()
