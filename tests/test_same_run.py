@@ -205,17 +205,15 @@ def test_a_run_continues_on_3_processes_and_on_2_again_training_every_image_once
 def test_image_weights_draw_the_same_images_with_loader_workers_as_without(patched_tree, data, tmp_path):
     """--image-weights (one process): the training process draws each epoch's images by their weights (upstream's
     dataset.indices); loader workers that lived across epochs would keep the draw of the epoch they started in. With
-    2 workers the run trains the images it trains with none, epoch by epoch. New interpreters: in a one-process job
-    forked by the test launcher (testsupport/torchrun.py) the first loader worker hangs. libuv in libtorch_cpu, started
-    by the launcher's TCPStore, re-makes its signal pipe in every forked child (pthread_atfork), closing the
-    descriptors it recorded; forked.become() closed those already, and the job's loader queues took their numbers."""
+    2 workers the run trains the images it trains with none, epoch by epoch. Its jobs, one process forked by the test
+    launcher with loader workers, hung at the first batch before forked.release_libuv_signal_pipe."""
     trained = {}
     for workers in (0, 2):
         records = tmp_path / f'records-{workers}'
         records.mkdir()
         finished(launch(patched_tree, tmp_path, f'workers-{workers}', 1, args(
             data, tmp_path / f'runs-{workers}', '--image-weights', '--workers', workers), script=str(RECORDING),
-            RECORD_DIR=records, **NEW_INTERPRETERS))
+            RECORD_DIR=records))
         trained[workers] = sorted(tuple(map(int, line.split())) for f in records.iterdir()
                                   for line in f.read_text().splitlines())
     assert {epoch for epoch, _, _ in trained[0]} == set(range(EPOCHS))

@@ -122,6 +122,17 @@ def show_command_line(argv):
     ctypes.memmove(start, shown.ljust(end - start, b'\0'), end - start)
 
 
+def release_libuv_signal_pipe():
+    """libuv (in libtorch_cpu; a launcher's TCPStore starts it) makes its signal pipe again in every forked child,
+    after closing the two descriptors it recorded (a pthread_atfork handler). Closed here through libuv, which then
+    records none: else a later fork of this process (a loader worker) would close the descriptors that have taken
+    those numbers since, and that worker hangs on its queue."""
+    libtorch = ctypes.CDLL(str(Path(torch.__file__).parent / 'lib' / 'libtorch_cpu.so'))
+    cleanup = getattr(libtorch, 'uv__signal_cleanup', None)  # exported by torch's builds (2.14: checked)
+    if cleanup is not None:
+        cleanup()
+
+
 def become(argv, env: dict, streams: dict, cwd, new_session: bool, script_sys_path: list, preloaded_env: dict):
     """In the forked child: the state of a new interpreter about to run argv (see the module's text), and the
     program to call. streams: {0, 1, 2: the descriptor each of stdin, stdout and stderr becomes, None to keep it}."""
@@ -131,6 +142,7 @@ def become(argv, env: dict, streams: dict, cwd, new_session: bool, script_sys_pa
         if fd is not None and fd != target:
             os.dup2(fd, target)
     gc.collect()  # garbage holding the parent's descriptors is gone before their numbers are closed and reused
+    release_libuv_signal_pipe()
     os.closerange(3, os.sysconf('SC_OPEN_MAX'))
     os.chdir(cwd or '.')
     if torch.cuda._is_in_bad_fork():  # the parent asked the CUDA runtime something: CUDA is unusable here
