@@ -387,19 +387,12 @@ class Bench:
                       window / 60, '1 GPU, windows of one run (bench/ckpt_windows.py)'), 'pairs': []}
         name = 'ckpt-windows-1gpu'
         args = self.train_cmd(self.kit, 1, data, name, epochs=1, extra=['--noval', '--hyp', hyp])
-        try:
-            script = [KIT / 'bench' / 'ckpt_windows.py', '--window-s', window, '--pairs', self.args.pairs]
-            job = self.job(name, [*script, *args[len(launcher(1)) + 1:]], 1, self.kit,
-                           timeout=(2 * self.args.pairs + 3) * window + 120)
-            series['job'] = {k: v for k, v in job.items() if k != 'pairs'}
-            series['pairs'] = [{'a': p['without'], 'b': {**p['with'], 'checkpoints': {  # one in each window of W s
-                                    'per_minute_in_timed_epoch': round(60 / window, 2)}},
-                                'ratio': round(p['with']['img_per_s'] / p['without']['img_per_s'], 4)}
-                               for p in job['pairs']]
-        except RunFailed as e:
-            series['error'] = str(e)
-        self.record['pairs'][key] = results.summarise(series)
-        self.save()
+        script = [KIT / 'bench' / 'ckpt_windows.py', '--window-s', window, '--pairs', self.args.pairs]
+        self.series_of_one_job(key, series, name, [*script, *args[len(launcher(1)) + 1:]], 1, lambda pairs: [
+            {'a': p['without'], 'b': {**p['with'], 'checkpoints': {  # one in each window of W s
+                'per_minute_in_timed_epoch': round(60 / window, 2)}},
+             'ratio': round(p['with']['img_per_s'] / p['without']['img_per_s'], 4)} for p in pairs],
+            timeout=(2 * self.args.pairs + 3) * window + 120)
 
     def scaling(self):
         data, n, images = self.dataset('short'), self.n, self.size['short'].train
@@ -444,14 +437,22 @@ class Bench:
         key = f'val_{n}gpu_vs_rank0'
         series = {'call': self.args.call, 'a': 'rank-0 validation', 'b': f'distributed validation on {n}',
                   'ratio_is': results.TARGETS['val_{n}gpu_vs_rank0'], 'pairs': []}
+        self.series_of_one_job(key, series, name, [KIT / 'bench' / 'val_time.py', '--pairs', self.args.pairs,
+                                                   *self.train_cmd(self.kit, n, data, name)[len(launcher(n)) + 1:]],
+                               n, lambda pairs: [{'a': {'seconds': p['rank0_s'], 'metrics': p['rank0_metrics']},
+                                                  'b': {'seconds': p['distributed_s'],
+                                                        'metrics': p['distributed_metrics']},
+                                                  'metrics_identical': p['max_metric_difference'] <= 1e-6,
+                                                  'ratio': round(p['distributed_s'] / p['rank0_s'], 4)}
+                                                 for p in pairs])
+
+    def series_of_one_job(self, key, series, name, script_args, gpus, pairs_of, timeout=None):
+        """A kit job that alternates the two sides itself (val_time.py, ckpt_windows.py): pairs_of(its pairs) become
+        the series under key, its other figures the series' 'job'; a job that fails leaves its error there."""
         try:
-            job = self.job(name, [KIT / 'bench' / 'val_time.py', '--pairs', self.args.pairs,
-                                  *self.train_cmd(self.kit, n, data, name)[len(launcher(n)) + 1:]], n, self.kit)
+            job = self.job(name, script_args, gpus, self.kit, timeout)
             series['job'] = {k: v for k, v in job.items() if k != 'pairs'}
-            series['pairs'] = [{'a': {'seconds': p['rank0_s'], 'metrics': p['rank0_metrics']},
-                                'b': {'seconds': p['distributed_s'], 'metrics': p['distributed_metrics']},
-                                'metrics_identical': p['max_metric_difference'] <= 1e-6,
-                                'ratio': round(p['distributed_s'] / p['rank0_s'], 4)} for p in job['pairs']]
+            series['pairs'] = pairs_of(job['pairs'])
         except RunFailed as e:
             series['error'] = str(e)
         self.record['pairs'][key] = results.summarise(series)
@@ -579,7 +580,8 @@ class Repeated:
 
 
 def repeated(data_yaml: str, copies: int) -> str:
-    source, root = Path(data_yaml).parent, Path(data_yaml).parent.with_name(f'{Path(data_yaml).parent.name}-x{copies}')
+    source = Path(data_yaml).parent
+    root = source.with_name(f'{source.name}-x{copies}')
 
     def write(folder: Path):
         for kind in ('images', 'labels'):

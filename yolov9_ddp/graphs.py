@@ -15,9 +15,13 @@ import torch
 from yolov9_ddp.levers import ONE_GPU_DEFAULTS, Levers, describe, parse_levers
 
 
+def no_cuda(opt) -> bool:
+    return opt.device == 'cpu' or not torch.cuda.is_available()
+
+
 def unsupported(opt, world_size: int) -> str:
     """Why this run cannot train with cuda_graphs=1 ('' where it can)."""
-    if opt.device == 'cpu' or not torch.cuda.is_available():
+    if no_cuda(opt):
         return 'needs a CUDA device'
     if world_size > 1:
         return 'is measured on one GPU only (bench/RESULTS.md): train on one process, or without it'
@@ -33,8 +37,7 @@ def one_gpu_defaults(opt, world_size: int, task) -> dict:
     """The levers.ONE_GPU_DEFAULTS a new run takes here: none on CPUs, on more processes, on resume (a run keeps
     its own) or for an entry point not measured with them (task.one_gpu_defaults), and cuda_graphs only where this
     run can use it."""
-    if not task.one_gpu_defaults or opt.resume or world_size > 1 or opt.device == 'cpu' or \
-            not torch.cuda.is_available():
+    if not task.one_gpu_defaults or opt.resume or world_size > 1 or no_cuda(opt):
         return {}
     return {name: value for name, value in ONE_GPU_DEFAULTS.items()
             if name != 'cuda_graphs' or not unsupported(opt, world_size)}

@@ -12,9 +12,9 @@ A run's levers are one of its options: `--levers name=value,...` sets any of the
 deterministic algorithms only: the same seed and world size then give bit-identical weights. A --levers that turns
 one of those levers on contradicts it and is refused.
 
-cuda_graphs (yolov9_ddp/graphs.py) keeps the arithmetic bit for bit; it is off until its measurement is complete
-(bench/RESULTS.md), and refused on CPUs, with DDP, with shapes that change and with --deterministic. A run that
-recorded it and resumes where it cannot apply goes on without it, saying so in one line.
+cuda_graphs (yolov9_ddp/graphs.py) keeps the arithmetic bit for bit; with channels_last it is a default of a new
+run on one GPU where measured (ONE_GPU_DEFAULTS), and refused on CPUs, with DDP, with shapes that change and with
+--deterministic. A run that recorded it and resumes where it cannot apply goes on without it, saying so in one line.
 
 A lever that does not pay is removed, not kept: torch.compile (--compile) is refused with the measurement that
 removed it (REMOVED). Activations out of place (undoing upstream's inplace=True) were measured on one H200 and
