@@ -19,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import yaml
 
 from testsupport.faults import (Job, children_of, completed_run_problems, differences, final_state, node_cmd,
                                refusal_problems, results_epochs, start_job, weights_snapshot)
@@ -27,6 +28,7 @@ from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures('upstream_importable'), pytest.mark.slow]
 EPOCHS, BATCH, IMAGES = 2, 8, 40  # 5 global batches an epoch
+AUTOBATCH_ON_CPU = 16  # upstream's autobatch() on a CPU model: its default batch
 DEADLINE_S = 180  # a job of this module takes 15 to 40 s on 2 cores
 RECORDING = Path(__file__).resolve().parents[1] / 'testsupport' / 'probes' / 'recording_train.py'
 
@@ -206,14 +208,18 @@ def test_image_weights_draw_the_same_images_with_loader_workers_as_without(patch
     """--image-weights (one process): the training process draws each epoch's images by their weights (upstream's
     dataset.indices); loader workers that lived across epochs would keep the draw of the epoch they started in. With
     2 workers the run trains the images it trains with none, epoch by epoch. Its jobs, one process forked by the test
-    launcher with loader workers, hung at the first batch before forked.release_libuv_signal_pipe."""
+    launcher with loader workers, hung at the first batch before forked.release_libuv_signal_pipe.
+    Also: --batch-size -1 (AutoBatch, one process) trains at the batch it chooses (on CPUs upstream's default, 16)
+    and records it as the run's batch in opt.yaml, so that a resume keeps it rather than sizing again."""
     trained = {}
     for workers in (0, 2):
-        records = tmp_path / f'records-{workers}'
+        records, project = tmp_path / f'records-{workers}', tmp_path / f'runs-{workers}'
         records.mkdir()
-        finished(launch(patched_tree, tmp_path, f'workers-{workers}', 1, args(
-            data, tmp_path / f'runs-{workers}', '--image-weights', '--workers', workers), script=str(RECORDING),
+        output = finished(launch(patched_tree, tmp_path, f'workers-{workers}', 1, args(
+            data, project, '--image-weights', '--workers', workers, batch=-1), script=str(RECORDING),
             RECORD_DIR=records))
+        assert f'using default CPU batch-size {AUTOBATCH_ON_CPU}' in output, output[-3000:]
+        assert yaml.safe_load((project / 'exp' / 'opt.yaml').read_text())['batch_size'] == AUTOBATCH_ON_CPU
         trained[workers] = sorted(tuple(map(int, line.split())) for f in records.iterdir()
                                   for line in f.read_text().splitlines())
     assert {epoch for epoch, _, _ in trained[0]} == set(range(EPOCHS))

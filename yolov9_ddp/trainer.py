@@ -201,7 +201,7 @@ class Trainer:
         self.hyp = self.load_hyp()
         if self.primary:
             yaml_save(self.save_dir / 'hyp.yaml', self.hyp)
-            yaml_save(self.save_dir / 'opt.yaml', {k: v for k, v in vars(opt).items() if k != 'save_dir'})
+            self.save_options()
             loggers = self.task.loggers(self.save_dir, opt, self.hyp, LOGGER)
             for action in methods(loggers):
                 self.callbacks.register_action(action, callback=getattr(loggers, action))
@@ -282,11 +282,23 @@ class Trainer:
             model.to(memory_format=torch.channels_last)
         self.model = self.raw_model = model
 
+    def save_options(self):
+        yaml_save(self.save_dir / 'opt.yaml', self.recorded_options())
+
+    def recorded_options(self) -> dict:
+        return {k: v for k, v in vars(self.opt).items() if k != 'save_dir'}
+
     def resolve_batch_size(self):
+        """--batch-size, or AutoBatch's choice for -1, recorded as the run's batch (opt.yaml, checkpoints): a resume
+        or a restart keeps it instead of sizing again, which may choose another batch on another GPU or with other
+        free memory, and the run could not go on at its step (position.PositionMismatch)."""
         if self.opt.batch_size != -1:
             return self.opt.batch_size
         batch = check_train_batch_size(self.model, self.imgsz, self.amp)  # one process only (checked in cli)
         self.callbacks.run('on_params_update', {'batch_size': batch})
+        self.opt.batch_size = batch
+        if self.primary:
+            self.save_options()
         return batch
 
     def build_optimizer(self):
@@ -630,7 +642,7 @@ class Trainer:
             'scaler': self.scaler.state_dict(),
             'world_size': self.world,  # a resume on another number of processes says what that changes
             position.KEY: position.record(where),
-            'opt': {k: v for k, v in vars(self.opt).items() if k != 'save_dir'},
+            'opt': self.recorded_options(),
             'git': None,
             'date': datetime.now().isoformat(),
             'format': checkpoint.FORMAT}
