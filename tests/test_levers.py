@@ -155,6 +155,7 @@ def test_a_new_run_on_one_gpu_takes_cuda_graphs_and_channels_last_unless_told_ot
     assert levers('--device', 'cpu') == levers('--device', '0,1', world=2) == Levers()
     assert levers('--device', '0', '--resume') == Levers(), "a resume keeps the run's own (recorded) levers"
     assert levers('--device', '0', '--multi-scale') == replace(Levers(), channels_last=True)
+    assert levers('--device', '0', '--batch-size', '-1') == replace(Levers(), channels_last=True), 'AutoBatch'
     assert levers('--device', '0', '--levers', 'channels_last=0') == replace(Levers(), cuda_graphs=True)
     assert levers('--device', '0', '--deterministic') == replace(Levers(), **DETERMINISTIC)
     measured = [name for name, task in TASKS.items() if levers('--device', '0', task=task) != Levers()]
@@ -193,6 +194,19 @@ def test_a_run_trained_with_cuda_graphs_resumes_on_cpus_without_them(tmp_path, m
     assert parse_levers(opt.levers)['cuda_graphs'] is False and opt.device == 'cpu'
     assert [line for line in said if 'cuda_graphs 1 -> 0' in line]
     cli.check_options(opt, 1, task)  # what refused the resume before: '--levers cuda_graphs=1 needs a CUDA device'
+
+
+@pytest.mark.usefixtures('upstream_importable')
+def test_autobatch_measures_with_cudnn_benchmark_off_and_turns_it_on_again(monkeypatch):
+    """Upstream's autobatch() answers 16 without measuring while cudnn.benchmark is on, and it is the kit's
+    default: --batch-size -1 did nothing on a GPU."""
+    from yolov9_ddp import trainer
+    measured_with = []
+    monkeypatch.setattr(trainer, 'check_train_batch_size',
+                        lambda model, imgsz, amp: measured_with.append(torch.backends.cudnn.benchmark) or 48)
+    monkeypatch.setattr(torch.backends.cudnn, 'benchmark', True)
+    assert trainer.autobatch(torch.nn.Identity(), 640, True) == 48 and measured_with == [False]
+    assert torch.backends.cudnn.benchmark, 'the lever is on again for training'
 
 
 class StaticGradients(torch.autograd.Function):

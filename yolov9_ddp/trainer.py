@@ -72,6 +72,19 @@ def resolve_model_files(opt):
         raise cli.UsageError('either --cfg or --weights must be specified')
 
 
+def autobatch(model, imgsz: int, amp: bool) -> int:
+    """AutoBatch's batch (upstream's check_train_batch_size), measured with cudnn.benchmark off: upstream's
+    autobatch() answers its default, 16, without measuring while benchmark is on (its workspaces would distort the
+    memory profile, ultralytics/yolov5#9287), and benchmark is the kit's default lever. Its 80% of the free memory
+    leaves the rest for the benchmark's workspaces."""
+    benchmark = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        return check_train_batch_size(model, imgsz, amp)
+    finally:
+        torch.backends.cudnn.benchmark = benchmark
+
+
 def restore_resumed_options(opt, plan, given: dict):
     """On resume, take the run's saved options (as upstream), this start's own where its command line gives them
     (yolov9_ddp.runs); one line names the given flags that the run's own values overrule. --deterministic, once
@@ -294,7 +307,7 @@ class Trainer:
         free memory, and the run could not go on at its step (position.PositionMismatch)."""
         if self.opt.batch_size != -1:
             return self.opt.batch_size
-        batch = check_train_batch_size(self.model, self.imgsz, self.amp)  # one process only (checked in cli)
+        batch = autobatch(self.model, self.imgsz, self.amp)  # one process only (checked in cli)
         self.callbacks.run('on_params_update', {'batch_size': batch})
         self.opt.batch_size = batch
         if self.primary:
