@@ -275,12 +275,15 @@ def test_a_recorded_lever_this_kit_no_longer_has_is_ignored_with_a_warning():
     assert said == ["the run recorded the lever 'warp_drive', which this kit does not have: ignored"]
 
 
-def final_weights(tree, data, project, *extra) -> dict:
+def final_weights(tree, data, project, fill_uninitialized: bool) -> dict:
     """The model and EMA tensors after one epoch of a 1-process run on the CPU (weights/epoch0.pt, unstripped)."""
     result = run([sys.executable, 'ddp_train_dual.py', *map(str, train_args(
-        data, project, 1, 4, 64, '--workers', 1, '--save-period', 1, '--deterministic', *extra))], tree)
+        data, project, 1, 4, 64, '--workers', 1, '--save-period', 1, '--deterministic',
+        '--levers', f'fill_uninitialized={int(fill_uninitialized)}'))], tree)
     assert result.returncode == 0, describe_result(result)
-    assert '--deterministic: levers cudnn_benchmark=0, fused_optimizer=0' in result.stdout + result.stderr
+    said = result.stdout + result.stderr
+    assert '--deterministic: levers cudnn_benchmark=0, fused_optimizer=0' in said
+    assert f'fill_uninitialized_memory={fill_uninitialized},' in said
     saved = checkpoint.load_checkpoint(project / 'exp' / 'weights' / 'epoch0.pt')
     assert yaml.safe_load((project / 'exp' / 'opt.yaml').read_text())['deterministic'] is True
     return {f'{part}.{name}': tensor for part in ('model', 'ema')
@@ -289,10 +292,13 @@ def final_weights(tree, data, project, *extra) -> dict:
 
 @pytest.mark.usefixtures('upstream_importable')
 @pytest.mark.slow
-def test_two_deterministic_runs_end_with_bit_identical_weights(patched_tree, demo_data, tmp_path):
+def test_two_deterministic_runs_one_with_torchs_fill_of_new_tensors_end_with_bit_identical_weights(
+        patched_tree, demo_data, tmp_path):
+    """The second run has torch's fill of uninitialised memory (NaN in every new tensor), which the kit turns off
+    (levers.use_deterministic_algorithms): a read of memory never written would differ between them, or be NaN."""
     with ThreadPoolExecutor(2) as pool:  # side by side: the test holds both cores
-        first, again = pool.map(lambda name: final_weights(patched_tree, demo_data, tmp_path / name),
-                                ('first', 'again'))
+        first, again = pool.map(lambda fill: final_weights(patched_tree, demo_data, tmp_path / str(fill), fill),
+                                (False, True))
     assert first.keys() == again.keys()
     for name, tensor in first.items():
         assert torch.equal(tensor, again[name]), f'{name} differs between two --deterministic runs'

@@ -39,6 +39,7 @@ class Levers:
     cudnn_benchmark: bool = True  # autotuned convolutions instead of upstream's deterministic algorithms
     channels_last: bool = False  # NHWC tensors for the convolutions (--channels-last)
     cuda_graphs: bool = False  # forward and backward replayed as CUDA graphs, one GPU (yolov9_ddp/graphs.py)
+    fill_uninitialized: bool = False  # under deterministic algorithms, torch's NaN in every new tensor (a memset each)
 
 
 # The defaults of a new run on one CUDA process, measured there (bench/RESULTS.md, "One-GPU defaults": 2.1x
@@ -130,10 +131,15 @@ def resumed_levers(recorded_options: dict, given: dict, log=print) -> str:
     return describe(resumed)
 
 
-def use_deterministic_algorithms(seed: int):
+def use_deterministic_algorithms(seed: int, fill_uninitialized: bool):
     """Upstream's init_seeds(deterministic=True), keeping a CUBLAS_WORKSPACE_CONFIG the user set (entry.py sets it
-    for --deterministic before CUDA starts)."""
+    for --deterministic before CUDA starts), and without torch's fill of uninitialised memory unless the lever
+    asks for it: torch then writes NaN into every tensor it allocates (thousands a step, one memset each) so that a
+    program that reads memory it never wrote is deterministic too; training reads none, so the fill changes no bit
+    (tests/test_levers.py: two --deterministic runs, one with it, end bit-identical), and torch's documentation
+    says to turn it off for speed in that case."""
     torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = fill_uninitialized
     torch.backends.cudnn.deterministic = True
     os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', CUBLAS_WORKSPACE)
     os.environ['PYTHONHASHSEED'] = str(seed)

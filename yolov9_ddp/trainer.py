@@ -221,11 +221,12 @@ class Trainer:
         self.callbacks.run('on_pretrain_routine_start')
         init_seeds(opt.seed + 1 + self.rank)
         if opt.deterministic or not self.levers.cudnn_benchmark:  # upstream's choice of algorithms
-            use_deterministic_algorithms(opt.seed + 1 + self.rank)
+            use_deterministic_algorithms(opt.seed + 1 + self.rank, self.levers.fill_uninitialized)
         torch.backends.cudnn.benchmark = self.levers.cudnn_benchmark
         if opt.deterministic:
             LOGGER.info(f'--deterministic: levers {", ".join(f"{k}={int(v)}" for k, v in DETERMINISTIC.items())}, '
-                        f'torch.use_deterministic_algorithms(True), '
+                        f'torch.use_deterministic_algorithms(True), fill_uninitialized_memory='
+                        f'{torch.utils.deterministic.fill_uninitialized_memory}, '
                         f'CUBLAS_WORKSPACE_CONFIG={os.environ["CUBLAS_WORKSPACE_CONFIG"]}')
         self.data_dict = comm.run_staged(self.check_data)  # may download: rank 0 first
         self.nc = 1 if opt.single_cls else int(self.data_dict['nc'])
