@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Where the GPU-only step's time goes on a GPU (issue 23: can --deterministic be 1.15x upstream without changing
-# its numerics?): bench/gpu_step.py --profile times 40 steps of yolov9-s at 640 px, batch 32, then profiles 10
-# more, for the kit's defaults, the kit with --deterministic, the kit with the levers of 2026-12-04 and upstream's
-# step with its own settings. Each writes $OUT/NAME.json: img/s, the GPU's busy time a step against the step's
-# wall time, and the operators that take most of the GPU's time. One device call (carry [".bench"]), about 3 min:
+# Where the GPU-only step's time goes on a GPU (issue 23: can --deterministic be 1.15x upstream without changing its
+# numerics?): bench/gpu_step.py --profile times 40 steps of yolov9-s at 640 px, batch 32, then profiles 10 more, for
+# the kit's defaults, the kit with --deterministic, the same with torch's NaN fill of new tensors (upstream's setting:
+# the lever fill_uninitialized=1; its memsets show as aten::fill_), the kit without its one-GPU defaults (eager,
+# NCHW) and upstream's step with its own settings. Each writes $OUT/NAME.json: img/s, the GPU's busy time a step against the
+# step's wall time, and the operators that take most of the GPU's time. One device call (carry [".bench"]), about 4
+# min:
 #
 #   bash bench/profile_step.sh
 set -uo pipefail
@@ -26,5 +28,6 @@ for name, ms, share in p['ops'][:8]: print(f'  {share:6.1%} {ms:8.2f} ms  {name}
 }
 step kit-defaults kit kit
 step kit-deterministic kit kit --deterministic
-step kit-graphs-channels-last kit kit --levers cuda_graphs=1,channels_last=1
+step kit-deterministic-nan-fill kit kit --deterministic --levers fill_uninitialized=1
+step kit-eager-nchw kit kit --levers cuda_graphs=0,channels_last=0
 step upstream upstream upstream

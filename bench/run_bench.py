@@ -547,14 +547,18 @@ class Bench:
         return figures
 
     def lever(self):
+        """One lever against the defaults, end to end (2048 images); --deterministic: both runs with it, the
+        series keyed '... (--deterministic)' (a lever of the deterministic step)."""
         data, n, images, lever = self.dataset('lever'), self.n, self.size['lever'].train, self.args.lever
+        base, suffix = (['--deterministic'], ' (--deterministic)') if self.args.deterministic else ([], '')
 
         def run(extra, tag):
             return lambda i: self.train(f'lever-{tag}-{i}', self.train_cmd(
-                self.kit, n, data, f'lever-{tag}-{i}', extra=['--noval', *extra]), self.kit, images)
+                self.kit, n, data, f'lever-{tag}-{i}', extra=['--noval', *base, *extra]), self.kit, images)
         self.rounds({'defaults': run([], 'defaults'), lever: run(['--levers', lever], lever.replace('=', '-'))}, {
-            f'lever {lever}': ('defaults', lever, lambda a, b: ratio(b, a, 'img_per_s'),
-                               f'kit img/s with --levers {lever} / with the defaults, N GPUs (second epoch)')})
+            f'lever {lever}{suffix}': ('defaults', lever, lambda a, b: ratio(b, a, 'img_per_s'),
+                                       f'kit img/s with --levers {lever} / with the defaults{suffix}, N GPUs '
+                                       '(second epoch)')})
 
 
 CALLS = {'per-gpu': Bench.per_gpu, 'scaling': Bench.scaling, 'step': Bench.step, 'val-cache': Bench.val_cache,
@@ -564,7 +568,7 @@ CALLS = {'per-gpu': Bench.per_gpu, 'scaling': Bench.scaling, 'step': Bench.step,
 # the options only some calls read, and which: any other call given one refuses it, rather than measure without it
 READ_BY = {'kit_levers': ('per-gpu', 'per-gpu-det', 'parity', 'entry-points'), 'lever': ('lever', 'loop-lever'),
            'end_to_end': ('loop-lever',), 'checkpoint_minutes': ('ckpt-minutes',), 'quick': ('entry-points',),
-           'window_s': ('ckpt-windows',)}
+           'window_s': ('ckpt-windows',), 'deterministic': ('lever',)}
 # set after that check: None is 'not given'
 OPTION_DEFAULTS = {'lever': 'channels_last=1', 'checkpoint_minutes': 0.1, 'window_s': 60.0}
 PERIODIC = re.compile(r'--checkpoint-(minutes|steps)\b')
@@ -753,6 +757,7 @@ def main():
                    help='entry-points: 64 + 32 images at 160 px, one epoch each: that each trains, not how fast')
     p.add_argument('--lever', help="the 'lever' and 'loop-lever' calls' --levers (default: channels_last=1)")
     p.add_argument('--end-to-end', action='store_true', help="loop-lever: the kit with the lever too")
+    p.add_argument('--deterministic', action='store_true', help='lever: both runs with --deterministic')
     p.add_argument('--kit-levers', default='',
                    help="per-gpu, per-gpu-det, parity, entry-points (others refuse it): --levers for the kit's runs; "
                         'the series keys name them')

@@ -73,8 +73,10 @@ def test_an_option_the_call_does_not_read_is_refused_in_one_line(monkeypatch, ca
     assert main('lever', '--checkpoint-minutes', '1')[1].endswith('(only ckpt-minutes)')
     assert main('per-gpu', '--quick')[1].endswith('(only entry-points)')
     assert 'does not read it' in main('lever', '--kit-levers', 'channels_last=1')[1]
+    assert main('per-gpu-det', '--deterministic')[1].endswith('(only lever)')
     given = run_bench.argparse.Namespace(call='lever', kit_levers='', lever=None, end_to_end=False,
-                                         checkpoint_minutes=None, quick=False, window_s=None)
+                                         checkpoint_minutes=None, quick=False, window_s=None,
+                                         deterministic=False)
     run_bench.refuse_unread_options(None, given)
     assert (given.lever, given.checkpoint_minutes, given.window_s) == ('channels_last=1', 0.1, 60), 'the defaults'
 
