@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass, fields, replace
 
 import torch
+import torch.utils.deterministic  # noqa: F401 (fill_uninitialized_memory, torch >= 2.2: imported, not assumed)
 
 
 @dataclass(frozen=True)
