@@ -75,8 +75,8 @@ def resolve_model_files(opt):
 def autobatch(model, imgsz: int, amp: bool) -> int:
     """AutoBatch's batch (upstream's check_train_batch_size), measured with cudnn.benchmark off: upstream's
     autobatch() answers its default, 16, without measuring while benchmark is on (its workspaces would distort the
-    memory profile, ultralytics/yolov5#9287), and benchmark is the kit's default lever. Its 80% of the free memory
-    leaves the rest for the benchmark's workspaces."""
+    memory profile, ultralytics/yolov5#9287), and benchmark is the kit's default lever. It aims at 80% of the free
+    memory, which leaves the rest to the benchmark's workspaces (not yet tried on a GPU: bench/PLAN.md)."""
     benchmark = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = False
     try:
