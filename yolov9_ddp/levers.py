@@ -33,7 +33,7 @@ class Levers:
     persistent_workers: bool = True  # loader workers live across epochs instead of being re-forked
     prefetch_factor: int = 4  # batches each loader worker keeps ready
     fused_optimizer: bool = True  # one fused kernel per parameter group; with AMP also no found_inf .item() sync
-    foreach_ema: bool = True  # EMA update as a few multi-tensor kernels instead of two kernels per tensor
+    foreach_ema: bool = True  # EMA update as a few multi-tensor kernels instead of three kernels per tensor
     bucket_view: bool = True  # DDP gradient_as_bucket_view: gradients live in the all-reduce buckets (no copy)
     static_graph: bool = False  # DDP static_graph (see yolov9#559: breaks models with unused parameters)
     progress_every: int = 10  # steps between progress-bar updates (formatting the losses syncs with the GPU)
@@ -52,7 +52,8 @@ class Levers:
 ONE_GPU_DEFAULTS = {'cuda_graphs': True, 'channels_last': True}
 
 # the levers that change the arithmetic or let it vary from run to run: --deterministic turns them off
-DETERMINISTIC = {'cudnn_benchmark': False, 'fused_optimizer': False, 'foreach_ema': False, 'channels_last': False}
+# (foreach_ema is not one of them: its kernels do upstream's arithmetic, bit for bit, yolov9_ddp/ema.py)
+DETERMINISTIC = {'cudnn_benchmark': False, 'fused_optimizer': False, 'channels_last': False}
 CUBLAS_WORKSPACE = ':4096:8'  # what cuBLAS needs for deterministic results (upstream's init_seeds sets it too)
 
 
