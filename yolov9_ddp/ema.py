@@ -40,7 +40,7 @@ class EmaUpdater:
     v += (1 - d) * m, each over all tensors at once (a lerp would be one kernel, but rounds otherwise, and
     --deterministic keeps upstream's numerics; the two extra passes over the EMA's 40 MB cost microseconds).
 
-    Upstream's update walks the state dict and launches three kernels per tensor (about 3,900 launches an optimizer
+    Upstream's update walks the state dict and launches three kernels per tensor (about 4,400 launches an optimizer
     step for yolov9-s); here the tensor lists are built once and rebuilt only when a module's tensors were replaced.
     That happens after every validation on CUDA with AMP: val_dual's model.half() and model.float() give the
     EMA new tensors, and lists kept from before would leave the EMA frozen from then on.
