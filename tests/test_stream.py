@@ -12,23 +12,25 @@ from yolov9_ddp.stream import (SAMPLE, SeededSamples, StreamSampler, epoch_order
                                seed_of)
 
 
-def epoch_batches(num_images, batch, world, epoch, seed=0, start=0):
+def epoch_batches(num_images, batch, world, epoch, seed=0, start=0, shuffle=True):
     """[[rank 0's keys, rank 1's, ...] for each step] of one epoch."""
     ranks = []
     for rank in range(world):
-        sampler = StreamSampler(num_images, batch, rank, world, seed)
+        sampler = StreamSampler(num_images, batch, rank, world, seed, shuffle)
         sampler.set_epoch(epoch, start)
         ranks.append(list(sampler))
     assert len({len(r) for r in ranks}) == 1  # the same number of steps on every rank
     return [list(step) for step in zip(*ranks)]
 
 
+@pytest.mark.parametrize('shuffle', [True, False])
 @pytest.mark.parametrize('num_images,batch,world', [(45, 8, 2), (45, 4, 2), (45, 4, 4), (7, 3, 3), (64, 8, 8),
                                                     (13, 12, 3), (3, 6, 6)])
 def test_every_image_once_per_epoch_and_repeats_only_to_fill_a_last_batch_smaller_than_the_world(num_images, batch,
-                                                                                                 world):
+                                                                                                 world, shuffle):
     for epoch in range(3):
-        keys = [key for step in epoch_batches(num_images, batch, world, epoch) for share in step for key in share]
+        keys = [key for step in epoch_batches(num_images, batch, world, epoch, shuffle=shuffle)
+                for share in step for key in share]
         assert {e for e, _ in keys} == {epoch}
         counts = Counter(index for _, index in keys)
         assert set(counts) == set(range(num_images))
@@ -43,6 +45,18 @@ def test_global_batch_k_holds_the_same_images_on_any_number_of_processes_that_di
         per_world[world] = [sorted(i for share in step for _, i in share)
                             for step in epoch_batches(num_images, 12, world, epoch=1, seed=5)]
     assert all(batches == per_world[1] for batches in per_world.values())
+
+
+@pytest.mark.parametrize('world', [1, 2, 3, 4, 6])
+def test_rect_global_batch_k_is_the_datasets_batch_k_on_any_number_of_processes(world):
+    """--rect (shuffle=False): global batch k holds the dataset's images [12k, 12k + 12) on any number of processes,
+    in every epoch (upstream's dataset, built with the global batch, gives them one shape), and every rank has the
+    same number of steps. Before, each rank took a contiguous run of per-rank batches: 36 images in batches of 4 on
+    2 ranks gave one 4 steps and the other 5, and the job aborted in a collective the first never joined."""
+    for epoch in (0, 1):
+        steps = epoch_batches(45, 12, world, epoch, shuffle=False)
+        assert [sorted(i for share in step for _, i in share) for step in steps] == [
+            list(range(first, min(first + 12, 45))) for first in range(0, 45, 12)]
 
 
 def test_a_start_at_step_s_yields_the_rest_of_the_epoch_unchanged():

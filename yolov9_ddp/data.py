@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from yolov9_ddp import comm, failures, ramcache, shutdown
 from yolov9_ddp.samplers import ShardBatchSampler
-from yolov9_ddp.stream import FixedBatches, SeededSamples, StreamSampler
+from yolov9_ddp.stream import SeededSamples, StreamSampler
 
 WORKER_SEED_BASE = 6148914691236517205  # upstream's generator seed base; + rank, so ranks augment differently
 
@@ -97,13 +97,11 @@ def make_loader(dataset, batch_size, workers, levers, cuda, collate_fn, sampler=
 
 
 def train_loader(task, path, imgsz, batch_per_rank, stride, opt, hyp, levers, cuda, prefix):
-    dataset = build_dataset(task, path, imgsz, batch_per_rank, stride, opt, hyp, augment=True, rect=opt.rect,
-                            cache=None if opt.cache == 'val' else opt.cache, pad=0.0, prefix=prefix)
     rank, world = comm.get_rank(), comm.get_world_size()
-    if opt.rect:  # rectangular batches keep their shapes only if no rank mixes images of two batches
-        batches = FixedBatches(ShardBatchSampler(len(dataset), batch_per_rank, rank, world))
-    else:
-        batches = StreamSampler(len(dataset), batch_per_rank * world, rank, world, opt.seed)
+    global_batch = batch_per_rank * world  # --rect's batch shapes are the global batches' (StreamSampler)
+    dataset = build_dataset(task, path, imgsz, global_batch, stride, opt, hyp, augment=True, rect=opt.rect,
+                            cache=None if opt.cache == 'val' else opt.cache, pad=0.0, prefix=prefix)
+    batches = StreamSampler(len(dataset), global_batch, rank, world, opt.seed, shuffle=not opt.rect)
     mosaic_until = opt.epochs - opt.close_mosaic if opt.close_mosaic else None
     samples = SeededSamples(dataset, opt.seed, mosaic_until)
     workers = loader_workers(opt.workers, batch_per_rank)

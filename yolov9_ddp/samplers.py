@@ -1,7 +1,7 @@
-"""Validation (and --rect training, whose batches must keep their shape) uses ShardBatchSampler: the dataset's
-batches, in order, cut into one contiguous run of whole batches per rank. No padding, no image twice, and each
-rank's batches are exactly the batches a single process would build, so the per-image results equal a
-single-process run's. The shuffled training stream is yolov9_ddp.stream.
+"""Validation uses ShardBatchSampler: the dataset's batches, in order, cut into one contiguous run of whole batches
+per rank. No padding, no image twice, and each rank's batches are exactly the batches a single process would build,
+so the per-image results equal a single-process run's. Training's stream (shuffled, or --rect's fixed batches) is
+yolov9_ddp.stream.
 """
 import math
 

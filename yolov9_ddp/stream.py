@@ -2,7 +2,8 @@
 a function of (seed, epoch, position) alone, not of the number of processes, of loader workers or of restarts
 (issue 21; DESIGN.md "The data stream is a pure function").
 
-  - The order of an epoch is one permutation of the training set, drawn from (seed, epoch).
+  - The order of an epoch is one permutation of the training set, drawn from (seed, epoch); with --rect, the
+    dataset's own order (upstream's rectangular batches: images sorted by aspect ratio, one shape a batch).
   - Global batch k is positions [k*B, (k+1)*B) of it, on any number of processes W that divides B: rank r trains
     its r-th share. The last global batch of a set that B does not divide is shared as evenly as it goes; only
     when it holds fewer images than there are processes, it is filled up with the first images of the order (an
@@ -69,11 +70,15 @@ def image_weights_draw(seed: int, epoch: int) -> random.Random:
 
 class StreamSampler(Sampler):
     """A batch sampler: rank's share of each global batch of the epoch set by set_epoch, as lists of keys
-    (epoch, image index), from the step set_epoch names on."""
+    (epoch, image index), from the step set_epoch names on.
 
-    def __init__(self, num_images: int, global_batch: int, rank: int, world: int, seed: int):
+    shuffle=False (--rect): the dataset's own order every epoch, upstream's rectangular batches; the dataset is
+    built with the global batch, so that all the images of global batch k, whichever rank trains them, have the
+    shape upstream gives that batch, and a run goes on with another number of processes as with shuffle."""
+
+    def __init__(self, num_images: int, global_batch: int, rank: int, world: int, seed: int, shuffle=True):
         assert global_batch % world == 0, 'checked before: the world size divides the global batch'
-        self.num_images, self.global_batch, self.seed = num_images, global_batch, seed
+        self.num_images, self.global_batch, self.seed, self.shuffle = num_images, global_batch, seed, shuffle
         self.rank, self.world = rank, world
         self.steps = steps_per_epoch(num_images, global_batch)
         self.epoch, self.start = 0, 0
@@ -82,7 +87,7 @@ class StreamSampler(Sampler):
         self.epoch, self.start = epoch, start_step
 
     def __iter__(self):
-        order = epoch_order(self.num_images, self.seed, self.epoch)
+        order = epoch_order(self.num_images, self.seed, self.epoch) if self.shuffle else np.arange(self.num_images)
         for step in range(self.start, self.steps):
             share = rank_share(self.num_images, self.global_batch, step, self.rank, self.world)
             yield [(self.epoch, int(order[p % self.num_images])) for p in share]
@@ -110,23 +115,3 @@ class SeededSamples(Dataset):
         np.random.seed(seed % 2 ** 32)
         self.dataset.mosaic = self.mosaic and (self.mosaic_until is None or epoch < self.mosaic_until)
         return self.dataset[index]
-
-
-class FixedBatches(Sampler):
-    """--rect training: upstream's fixed batches (their shapes follow the images' aspect ratios), rank's run of them
-    (samplers.ShardBatchSampler), as keys, from the step set_epoch names on."""
-
-    def __init__(self, batches: Sampler):
-        self.batches, self.epoch, self.start = batches, 0, 0
-        self.steps = len(batches)
-
-    def set_epoch(self, epoch: int, start_step: int = 0):
-        self.epoch, self.start = epoch, start_step
-
-    def __iter__(self):
-        for step, batch in enumerate(self.batches):
-            if step >= self.start:
-                yield [(self.epoch, index) for index in batch]
-
-    def __len__(self):
-        return self.steps - self.start
