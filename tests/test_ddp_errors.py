@@ -326,6 +326,14 @@ def test_check_options_autobatch_only_on_one_process(options):
     assert 'AutoBatch' in refused(options('--batch-size', -1), 2)
 
 
+def test_check_options_quad_needs_four_images_a_process(options):
+    cli.check_options(options('--quad', '--batch-size', 8), 2, DUAL)
+    cli.check_options(options('--quad', '--batch-size', -1), 1, DUAL)  # AutoBatch's batch is 16 or more
+    assert refused(options('--quad', '--batch-size', 6), 2) == (
+        '--quad makes one image of each 4 a process loads: --batch-size 6 on 2 process(es) gives each fewer; use 8 '
+        'or more')
+
+
 def test_check_options_batch_divisible_by_world_size(options):
     cli.check_options(options('--batch-size', 5), 1, DUAL)
     cli.check_options(options('--batch-size', 6), 3, DUAL)

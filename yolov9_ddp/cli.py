@@ -15,6 +15,7 @@ import yaml
 from yolov9_ddp import graphs
 from yolov9_ddp.comm import DEFAULT_TIMEOUT_S, Unanimous
 from yolov9_ddp.levers import levers_for
+from yolov9_ddp.stream import QUAD
 
 MODELS = Path(__file__).resolve().parent / 'models'  # the kit's tiny model configs, one per task
 
@@ -206,6 +207,9 @@ def check_options(opt, world_size: int, task):
                          f'{task.upstream} (patched by the kit, it works on one process)')
     if opt.quad and task.masks:
         raise UsageError(f'--quad does not work with masks ({task.upstream} has no four-image collation of masks)')
+    if opt.quad and 0 < opt.batch_size < QUAD * world_size:
+        raise UsageError(f'--quad makes one image of each {QUAD} a process loads: --batch-size {opt.batch_size} on '
+                         f'{world_size} process(es) gives each fewer; use {QUAD * world_size} or more')
     if ddp and opt.image_weights:
         raise UsageError('--image-weights is not compatible with DDP (each rank would draw other images); '
                          'train on one process or drop the flag')

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from yolov9_ddp import comm, failures, ramcache, shutdown
 from yolov9_ddp.samplers import ShardBatchSampler
-from yolov9_ddp.stream import SeededSamples, StreamSampler
+from yolov9_ddp.stream import QUAD, SeededSamples, StreamSampler
 
 WORKER_SEED_BASE = 6148914691236517205  # upstream's generator seed base; + rank, so ranks augment differently
 
@@ -101,7 +101,10 @@ def train_loader(task, path, imgsz, batch_per_rank, stride, opt, hyp, levers, cu
     global_batch = batch_per_rank * world  # --rect's batch shapes are the global batches' (StreamSampler)
     dataset = build_dataset(task, path, imgsz, global_batch, stride, opt, hyp, augment=True, rect=opt.rect,
                             cache=None if opt.cache == 'val' else opt.cache, pad=0.0, prefix=prefix)
-    batches = StreamSampler(len(dataset), global_batch, rank, world, opt.seed, shuffle=not opt.rect)
+    batches = StreamSampler(len(dataset), global_batch, rank, world, opt.seed, shuffle=not opt.rect, quad=opt.quad)
+    if not batches.steps:
+        raise DataError(f'--quad: the {len(dataset)} training images fill no global batch with {QUAD} images for '
+                        f'each of the {world} process(es); train on more images or without --quad')
     mosaic_until = opt.epochs - opt.close_mosaic if opt.close_mosaic else None
     samples = SeededSamples(dataset, opt.seed, mosaic_until)
     workers = loader_workers(opt.workers, batch_per_rank)

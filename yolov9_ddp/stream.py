@@ -28,6 +28,7 @@ from torch.utils.data import Dataset, Sampler
 
 # what a seed is for, so that the streams of the order, the samples and the sizes never share one
 ORDER, SAMPLE, SCALE, IMAGE_WEIGHTS = range(4)
+QUAD = 4  # the images upstream's collate_fn4 (--quad) makes one of
 
 
 def seed_of(purpose: int, *keys: int) -> int:
@@ -53,6 +54,11 @@ def rank_share(num_images: int, global_batch: int, step: int, rank: int, world: 
     return range(first + size * rank // world, first + size * (rank + 1) // world)
 
 
+def last_batch_share(num_images: int, global_batch: int, world: int) -> int:
+    """The fewest images a rank trains at the epoch's last step."""
+    return (num_images - (steps_per_epoch(num_images, global_batch) - 1) * global_batch) // world
+
+
 def repeats_per_epoch(num_images: int, global_batch: int, world: int) -> int:
     """How many images the last global batch repeats: none unless it holds fewer images than processes."""
     last = num_images - (steps_per_epoch(num_images, global_batch) - 1) * global_batch
@@ -74,13 +80,19 @@ class StreamSampler(Sampler):
 
     shuffle=False (--rect): the dataset's own order every epoch, upstream's rectangular batches; the dataset is
     built with the global batch, so that all the images of global batch k, whichever rank trains them, have the
-    shape upstream gives that batch, and a run goes on with another number of processes as with shuffle."""
+    shape upstream gives that batch, and a run goes on with another number of processes as with shuffle.
+    quad (--quad): upstream's collate_fn4 makes one image of each four (the rest of a share is left out), and a share
+    of fewer than four has none to make: a last global batch that leaves a rank fewer than four is left out of the
+    epoch (the images it held are others in every epoch's order)."""
 
-    def __init__(self, num_images: int, global_batch: int, rank: int, world: int, seed: int, shuffle=True):
+    def __init__(self, num_images: int, global_batch: int, rank: int, world: int, seed: int, shuffle=True,
+                 quad=False):
         assert global_batch % world == 0, 'checked before: the world size divides the global batch'
         self.num_images, self.global_batch, self.seed, self.shuffle = num_images, global_batch, seed, shuffle
         self.rank, self.world = rank, world
         self.steps = steps_per_epoch(num_images, global_batch)
+        if quad and last_batch_share(num_images, global_batch, world) < QUAD:
+            self.steps -= 1
         self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int, start_step: int = 0):
