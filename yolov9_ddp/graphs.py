@@ -67,6 +67,7 @@ class GraphedModel:
         for parameter in model.parameters():
             if parameter.requires_grad:  # the replay hands out its own gradient buffers; a .grad that took one over
                 parameter.register_hook(torch.clone)  # would add the next micro-step's gradient to itself
+                # (pytorch/pytorch#181723, open: make_graphed_callables' static gradient buffers and accumulation)
 
     def __call__(self, imgs: torch.Tensor):
         key = (tuple(imgs.shape), imgs.dtype, imgs.is_contiguous(memory_format=torch.channels_last))
