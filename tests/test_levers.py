@@ -218,6 +218,21 @@ def test_autobatch_measures_with_cudnn_benchmark_off_and_turns_it_on_again(monke
     assert torch.backends.cudnn.benchmark, 'the lever is on again for training'
 
 
+def test_graph_captures_check_the_training_threads_cuda_calls_only(monkeypatch):
+    """The loader's pin-memory thread must not invalidate the training thread's capture (graphs.capture_graphs):
+    what make_graphed_callables gives torch.cuda.graph for its captures, recorded instead of captured (no CUDA)."""
+    given, default = [], torch.cuda.graph
+    monkeypatch.setattr(torch.cuda.graph, '__init__', lambda self, cuda_graph, **kwargs: given.append(kwargs))
+
+    def make_graphed_callables():  # creates its captures as torch's does, with the mode or without
+        torch.cuda.graph(None, pool=None)
+        torch.cuda.graph(None, pool=None, capture_error_mode='global')
+    with graphs.captures_checking_this_thread():
+        make_graphed_callables()
+    assert given == [{'pool': None, 'capture_error_mode': 'thread_local'}] * 2
+    assert torch.cuda.graph is default
+
+
 class StaticGradients(torch.autograd.Function):
     """What a replayed CUDA graph's backward does: it hands out the same gradient buffer every time."""
 

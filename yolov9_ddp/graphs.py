@@ -8,6 +8,7 @@ One capture per input shape: a run's batches share one, its last batch may have 
 whose shapes change every step, are refused). A capture runs the model forward and backward a few times on the
 batch it is given; BatchNorm's running statistics are put back afterwards, so the run's arithmetic stays its own.
 """
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -80,10 +81,36 @@ def capture_graphs(model: torch.nn.Module, sample: torch.Tensor):
     """The graphed forward of model for inputs like sample. Call under autocast(cache_enabled=False) where the
     training step autocasts: the graph records the casts of the context it is captured in."""
     statistics = {name: buffer.clone() for name, buffer in model.named_buffers()}
-    torch.cuda.make_graphed_callables(model, (sample.clone(),), allow_unused_input=True)
+    with captures_checking_this_thread():
+        torch.cuda.make_graphed_callables(model, (sample.clone(),), allow_unused_input=True)
     graphed = model.forward  # make_graphed_callables sets the module's forward to the graphed one: kept here ...
     del model.forward  # ... and the module's own restored, so that copies, checkpoints and eval mode stay plain
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             buffer.copy_(statistics[name])  # the warm-up passes updated them
     return graphed
+
+
+class ThisThreadsCapture(torch.cuda.graph):
+    """torch.cuda.graph in capture_error_mode 'thread_local', whatever mode it is given."""
+
+    def __init__(self, cuda_graph, *args, **kwargs):
+        super().__init__(cuda_graph, *args, **{**kwargs, 'capture_error_mode': 'thread_local'})
+
+
+@contextmanager
+def captures_checking_this_thread():
+    """make_graphed_callables' captures check this thread's CUDA calls only. In torch's default mode, 'global', an
+    unsafe CUDA call of any other thread during a capture invalidates it, and the loader's pin-memory thread makes
+    such calls (page-locked allocations, queries of the events of blocks it reuses) while the training thread
+    captures at its first step; the capture's next cuDNN call then fails, as one did on an H200 (bench/RESULTS.md,
+    calls 7 and 8: CUDNN_STATUS_INTERNAL_ERROR, then 'operation failed due to a previous error during capture').
+    Those threads never touch the captured stream. make_graphed_callables takes the mode itself from torch 2.14 on
+    (pytorch/pytorch#188832); it creates its captures through torch.cuda.graph in every version the kit runs on, so
+    that is what is swapped for the time of the call (the training thread alone captures)."""
+    global_mode = torch.cuda.graph
+    torch.cuda.graph = ThisThreadsCapture
+    try:
+        yield
+    finally:
+        torch.cuda.graph = global_mode
