@@ -100,14 +100,15 @@ class ThisThreadsCapture(torch.cuda.graph):
 
 @contextmanager
 def captures_checking_this_thread():
-    """make_graphed_callables' captures check this thread's CUDA calls only. In torch's default mode, 'global', an
-    unsafe CUDA call of any other thread during a capture invalidates it, and the loader's pin-memory thread makes
-    such calls (page-locked allocations, queries of the events of blocks it reuses) while the training thread
-    captures at its first step; the capture's next cuDNN call then fails, as one did on an H200 (bench/RESULTS.md,
-    calls 7 and 8: CUDNN_STATUS_INTERNAL_ERROR, then 'operation failed due to a previous error during capture').
-    Those threads never touch the captured stream. make_graphed_callables takes the mode itself from torch 2.14 on
-    (pytorch/pytorch#188832); it creates its captures through torch.cuda.graph in every version the kit runs on, so
-    that is what is swapped for the time of the call (the training thread alone captures)."""
+    """make_graphed_callables' captures check this thread's CUDA calls only. In torch's default mode, 'global', a
+    potentially unsafe CUDA call of any other thread during a capture invalidates it, and the loader's pin-memory
+    thread makes CUDA calls (page-locked allocations, queries of the events of blocks it reuses) while the training
+    thread captures at its first step; the capture's next cuDNN call then fails. That may be what failed one capture
+    on an H200 (bench/RESULTS.md, calls 7 and 8: CUDNN_STATUS_INTERNAL_ERROR, then 'operation failed due to a
+    previous error during capture'; bench/gpu_checks.sh tries both modes). Those threads never touch the captured
+    stream. make_graphed_callables takes the mode itself from torch 2.14 on (pytorch/pytorch#188832); it creates its
+    captures through torch.cuda.graph in every version the kit runs on, so that is what is swapped for the time of
+    the call (the training thread alone captures)."""
     global_mode = torch.cuda.graph
     torch.cuda.graph = ThisThreadsCapture
     try:

@@ -54,14 +54,13 @@ def rank_share(num_images: int, global_batch: int, step: int, rank: int, world: 
     return range(first + size * rank // world, first + size * (rank + 1) // world)
 
 
-def last_batch_share(num_images: int, global_batch: int, world: int) -> int:
-    """The fewest images a rank trains at the epoch's last step."""
-    return (num_images - (steps_per_epoch(num_images, global_batch) - 1) * global_batch) // world
+def last_batch_size(num_images: int, global_batch: int) -> int:
+    return num_images - (steps_per_epoch(num_images, global_batch) - 1) * global_batch
 
 
 def repeats_per_epoch(num_images: int, global_batch: int, world: int) -> int:
     """How many images the last global batch repeats: none unless it holds fewer images than processes."""
-    last = num_images - (steps_per_epoch(num_images, global_batch) - 1) * global_batch
+    last = last_batch_size(num_images, global_batch)
     return max(world - last, 0)
 
 
@@ -83,7 +82,7 @@ class StreamSampler(Sampler):
     shape upstream gives that batch, and a run goes on with another number of processes as with shuffle.
     quad (--quad): upstream's collate_fn4 makes one image of each four (the rest of a share is left out), and a share
     of fewer than four has none to make: a last global batch that leaves a rank fewer than four is left out of the
-    epoch (the images it held are others in every epoch's order)."""
+    epoch (other images each epoch in the shuffled order, the dataset's last ones with --rect)."""
 
     def __init__(self, num_images: int, global_batch: int, rank: int, world: int, seed: int, shuffle=True,
                  quad=False):
@@ -91,7 +90,7 @@ class StreamSampler(Sampler):
         self.num_images, self.global_batch, self.seed, self.shuffle = num_images, global_batch, seed, shuffle
         self.rank, self.world = rank, world
         self.steps = steps_per_epoch(num_images, global_batch)
-        if quad and last_batch_share(num_images, global_batch, world) < QUAD:
+        if quad and last_batch_size(num_images, global_batch) // world < QUAD:  # the last step's smallest share
             self.steps -= 1
         self.epoch, self.start = 0, 0
 
