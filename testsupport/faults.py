@@ -209,9 +209,10 @@ class CheckpointWatcher:
     """Reads weights/last.pt and last.previous.pt of a run folder every time they change while a job runs: each
     version that exists must load as a checkpoint (save_atomic moves only whole files into place).
 
-    Reading needs upstream's classes importable (the patched tree on sys.path). Once run.json says training
-    finished, upstream's strip_optimizer rewrites last.pt in place; that moment is tested on its own
-    (test_faults.py, a kill while the final checkpoint is stripped), so a torn read then is not counted here.
+    Reading needs upstream's classes importable (the patched tree on sys.path). The final strip is written in one
+    rename too (trainer.strip_atomically), so every version is read until the job ends (the watcher used to stop
+    at run.json's finished mark, from when upstream's strip_optimizer rewrote last.pt in place, and a run whose last
+    save came less than a poll before that mark showed one version only).
     """
     NAMES = ('last.pt', 'last.previous.pt')
 
@@ -229,10 +230,6 @@ class CheckpointWatcher:
         self.stopping.set()
         self.thread.join(60)
 
-    def finished(self) -> bool:
-        from yolov9_ddp import runs
-        return bool(runs.read_record(self.run_dir).get('finished'))
-
     def watch(self):
         import torch
         while not self.stopping.wait(self.interval):
@@ -241,7 +238,7 @@ class CheckpointWatcher:
                 try:
                     stat = path.stat()
                     key = (name, stat.st_ino, stat.st_mtime_ns, stat.st_size)
-                    if key in self.seen or self.finished():
+                    if key in self.seen:
                         continue
                     data = path.read_bytes()
                 except OSError:  # not there (yet), or moved aside between the stat and the read
@@ -252,9 +249,8 @@ class CheckpointWatcher:
                     assert isinstance(ckpt, dict) and 'model' in ckpt, 'not a checkpoint dict with a model'
                     self.loaded.append((name, ckpt.get('epoch')))
                 except Exception as e:  # noqa: BLE001 - every failure to load is what this records
-                    if not self.finished():
-                        self.failures.append(f'{name} ({len(data)} bytes, seen while training) does not load: '
-                                             f'{type(e).__name__}: {str(e)[:160]}')
+                    self.failures.append(f'{name} ({len(data)} bytes, seen while the job ran) does not load: '
+                                         f'{type(e).__name__}: {str(e)[:160]}')
 
     @property
     def problems(self) -> list:
