@@ -76,7 +76,8 @@ def autobatch(model, imgsz: int, amp: bool) -> int:
     """AutoBatch's batch (upstream's check_train_batch_size), measured with cudnn.benchmark off: upstream's
     autobatch() answers its default, 16, without measuring while benchmark is on (its workspaces would distort the
     memory profile, ultralytics/yolov5#9287), and benchmark is the kit's default lever. It aims at 80% of the free
-    memory, which leaves the rest to the benchmark's workspaces (not yet tried on a GPU: bench/PLAN.md)."""
+    memory, which leaves the rest to the benchmark's workspaces: on an H200 it chose 148 for yolov9-s at 640 px, and
+    an epoch at it reserved 65 of 140 GB (bench/RESULTS.md, 2026-12-05)."""
     benchmark = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = False
     try:
