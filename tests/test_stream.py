@@ -3,11 +3,14 @@ randomness, depend on (seed, epoch, position) alone. Unit tests on the sampler a
 trainings that show it end to end (bit-identical weights across loader workers, resumes and restarts; every image
 once on 2, then 3, then 2 processes) are in tests/test_same_run.py."""
 import random
+import time
 from collections import Counter
 
 import numpy as np
 import pytest
+from torch.utils.data import DataLoader
 
+from yolov9_ddp.data import TrainingBatches
 from yolov9_ddp.stream import (QUAD, SAMPLE, SeededSamples, StreamSampler, epoch_order, repeats_per_epoch, scale_draw,
                                seed_of)
 
@@ -77,6 +80,43 @@ def test_a_start_at_step_s_yields_the_rest_of_the_epoch_unchanged():
     sampler = StreamSampler(45, 8, 0, 2, seed=0)
     sampler.set_epoch(2, 3)
     assert len(sampler) == len(whole) - 3 and sampler.steps == len(whole)
+
+
+class Recording:
+    """A dataset of 12 keys (epoch, index) that leaves a file named after each key it loads, for the test to see."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, key):
+        (self.folder / '{}-{}'.format(*key)).touch()
+        return key
+
+
+def epochs_loaded(folder) -> set:
+    return {int(path.name.split('-')[0]) for path in folder.iterdir()}
+
+
+@pytest.mark.parametrize('persistent', [True, False])
+def test_persistent_workers_load_the_next_epochs_first_batches_before_it_starts(tmp_path, persistent):
+    """The training batches, epoch by epoch from a start at step 1, are the stream's, with or without persistent
+    workers; persistent ones have loaded some of epoch 2 when epoch 1's last batch is trained (one iterator serves
+    the run), workers of one epoch only its own (each epoch's iterator starts with idle workers)."""
+    sampler = StreamSampler(12, 4, 0, 1, seed=0)  # 3 steps an epoch
+    loader = DataLoader(Recording(tmp_path), batch_sampler=sampler, num_workers=2, persistent_workers=persistent,
+                        prefetch_factor=2, collate_fn=list)
+    batches = TrainingBatches(loader, epochs=4)
+    trained = [list(batches.of_epoch(1, start_step=1))]
+    deadline = time.monotonic() + 10
+    while persistent and 2 not in epochs_loaded(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert min(epochs_loaded(tmp_path)) == 1 and (max(epochs_loaded(tmp_path)) > 1) is persistent
+    trained += [list(batches.of_epoch(epoch)) for epoch in (2, 3)]
+    stream = [epoch_batches(12, 4, 1, 1, start=1), epoch_batches(12, 4, 1, 2), epoch_batches(12, 4, 1, 3)]
+    assert trained == [[shares[0] for shares in epoch] for epoch in stream]
 
 
 def test_the_order_changes_every_epoch_and_repeats_with_the_seed():

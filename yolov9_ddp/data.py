@@ -8,6 +8,7 @@ import os
 import signal
 from dataclasses import replace
 from functools import partial
+from itertools import islice
 
 import torch
 from torch.utils.data import DataLoader
@@ -66,9 +67,27 @@ def with_shared_ram_cache(dataset, cache, prefix):
     return dataset
 
 
-def set_epoch(loader, epoch, start_step=0):
-    """The training batches of epoch, from start_step on (yolov9_ddp.stream)."""
-    loader.batch_sampler.set_epoch(epoch, start_step)
+class TrainingBatches:
+    """The training loader's batches (yolov9_ddp.stream), epoch by epoch, the epochs in order.
+
+    Where the loader's workers persist, one iterator serves the run's remaining epochs, so that the workers load
+    the next epoch's first batches while this one ends, as upstream's InfiniteDataLoader lets them: a new iterator
+    each epoch starts with every worker idle, and the GPU waits the time a worker takes to load a whole batch
+    (about a second of a 7-second epoch of 2048 images on one H200, bench/RESULTS.md). Otherwise one iterator an
+    epoch: --image-weights draws an epoch's images after the last epoch's validation (data.train_loader)."""
+
+    def __init__(self, loader, epochs: int):
+        self.loader, self.epochs, self.run_long = loader, epochs, None
+
+    def of_epoch(self, epoch: int, start_step: int = 0):
+        sampler = self.loader.batch_sampler
+        if not self.loader.persistent_workers:
+            sampler.set_epoch(epoch, start_step)
+            return iter(self.loader)
+        if self.run_long is None:
+            sampler.set_epoch(epoch, start_step, until_epoch=self.epochs)
+            self.run_long = iter(self.loader)
+        return islice(self.run_long, sampler.steps - start_step)
 
 
 def init_worker(worker_id, trainer_pid):
@@ -88,8 +107,8 @@ def make_loader(dataset, batch_size, workers, levers, cuda, collate_fn, sampler=
     generator.manual_seed(WORKER_SEED_BASE + rank)
     batching = {'batch_sampler': batch_sampler} if batch_sampler is not None else \
         {'batch_size': batch_size, 'sampler': sampler, 'drop_last': False}
-    # persistent workers keep their state across epochs (what upstream's InfiniteDataLoader is for) and,
-    # unlike it, see set_epoch() before the next epoch's indices are drawn
+    # persistent workers keep their state across epochs (what upstream's InfiniteDataLoader is for); the
+    # sampler's keys tell them each sample's epoch (yolov9_ddp.stream)
     return DataLoader(dataset, num_workers=workers, pin_memory=cuda and levers.pin_memory, collate_fn=collate_fn,
                       worker_init_fn=partial(init_worker, trainer_pid=os.getpid()), generator=generator,
                       persistent_workers=workers > 0 and levers.persistent_workers,

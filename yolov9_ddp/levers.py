@@ -30,7 +30,7 @@ import torch.utils.deterministic  # noqa: F401 (fill_uninitialized_memory, torch
 @dataclass(frozen=True)
 class Levers:
     pin_memory: bool = True  # page-locked batches, copied to the GPU with non_blocking=True (no host sync)
-    persistent_workers: bool = True  # loader workers live across epochs instead of being re-forked
+    persistent_workers: bool = True  # workers live across epochs and load the next epoch's first batches before it
     prefetch_factor: int = 4  # batches each loader worker keeps ready
     fused_optimizer: bool = True  # one fused kernel per parameter group; with AMP also no found_inf .item() sync
     foreach_ema: bool = True  # EMA update as a few multi-tensor kernels instead of three kernels per tensor

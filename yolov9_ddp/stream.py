@@ -74,7 +74,7 @@ def image_weights_draw(seed: int, epoch: int) -> random.Random:
 
 
 class StreamSampler(Sampler):
-    """A batch sampler: rank's share of each global batch of the epoch set by set_epoch, as lists of keys
+    """A batch sampler: rank's share of each global batch of the epochs set by set_epoch, as lists of keys
     (epoch, image index), from the step set_epoch names on.
 
     shuffle=False (--rect): the dataset's own order every epoch, upstream's rectangular batches; the dataset is
@@ -92,19 +92,25 @@ class StreamSampler(Sampler):
         self.steps = steps_per_epoch(num_images, global_batch)
         if quad and last_batch_size(num_images, global_batch) // world < QUAD:  # the last step's smallest share
             self.steps -= 1
-        self.epoch, self.start = 0, 0
+        self.set_epoch(0)
 
-    def set_epoch(self, epoch: int, start_step: int = 0):
+    def set_epoch(self, epoch: int, start_step: int = 0, until_epoch: int = None):
+        """The batches from step start_step of epoch on, to the end of epoch until_epoch - 1 (by default epoch's)."""
         self.epoch, self.start = epoch, start_step
+        self.until = epoch + 1 if until_epoch is None else until_epoch
 
     def __iter__(self):
-        order = epoch_order(self.num_images, self.seed, self.epoch) if self.shuffle else np.arange(self.num_images)
-        for step in range(self.start, self.steps):
+        for epoch in range(self.epoch, self.until):
+            yield from self.batches_of(epoch, self.start if epoch == self.epoch else 0)
+
+    def batches_of(self, epoch: int, start_step: int):
+        order = epoch_order(self.num_images, self.seed, epoch) if self.shuffle else np.arange(self.num_images)
+        for step in range(start_step, self.steps):
             share = rank_share(self.num_images, self.global_batch, step, self.rank, self.world)
-            yield [(self.epoch, int(order[p % self.num_images])) for p in share]
+            yield [(epoch, int(order[p % self.num_images])) for p in share]
 
     def __len__(self):
-        return self.steps - self.start
+        return (self.until - self.epoch) * self.steps - self.start
 
 
 class SeededSamples(Dataset):

@@ -365,6 +365,7 @@ class Trainer:
         self.train_loader, self.dataset = data.train_loader(self.task, self.data_dict['train'], self.imgsz, per_rank,
                                                             gs, opt, self.hyp, levers, self.cuda, colorstr('train: '))
         self.nb = self.train_loader.batch_sampler.steps  # global batches per epoch
+        self.batches = data.TrainingBatches(self.train_loader, opt.epochs)
         labels = np.concatenate(self.dataset.labels, 0)
         max_class = int(labels[:, 0].max()) if len(labels) else -1
         if max_class >= self.nc:
@@ -506,15 +507,14 @@ class Trainer:
                                                                                  k=dataset.n)
         if epoch == opt.epochs - opt.close_mosaic:
             LOGGER.info('Closing dataloader mosaic')  # the epoch of each sample decides (yolov9_ddp.stream)
-        data.set_epoch(self.train_loader, epoch, start_step)
         losses = self.task.loss_names
         mloss = torch.zeros(len(losses), device=self.device)
         if start_step:
             mloss = self.resumed_mean_loss.to(self.device)
         columns = ('Epoch', 'GPU_mem', *losses, 'Instances', 'Size')
         LOGGER.info(('\n' + '%11s' * len(columns)) % columns)
-        pbar = tqdm(enumerate(self.train_loader, start_step), total=self.nb, initial=start_step,
-                    bar_format=TQDM_BAR_FORMAT, disable=not self.primary)
+        batches = enumerate(self.batches.of_epoch(epoch, start_step), start_step)
+        pbar = tqdm(batches, total=self.nb, initial=start_step, bar_format=TQDM_BAR_FORMAT, disable=not self.primary)
         self.optimizer.zero_grad()
         non_blocking = self.levers.pin_memory
         for i, batch in pbar:

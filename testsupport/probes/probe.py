@@ -46,10 +46,9 @@ def first_norm(module: nn.Module) -> nn.Module:
 
 def probe_sampler(trainer):
     """The image paths this rank's training loader yields, per epoch."""
-    epochs = []
-    for epoch in range(CONFIG.get('epochs', 3)):
-        data.set_epoch(trainer.train_loader, epoch)
-        epochs.append([p for batch in trainer.train_loader for p in batch[2]])
+    count = CONFIG.get('epochs', 3)
+    batches = data.TrainingBatches(trainer.train_loader, count)
+    epochs = [[p for batch in batches.of_epoch(epoch) for p in batch[2]] for epoch in range(count)]
     return {'epochs': epochs, 'cache_builds': BUILDS, 'files': list(trainer.dataset.im_files)}
 
 
