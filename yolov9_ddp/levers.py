@@ -46,8 +46,8 @@ class Levers:
 # The defaults of a new run on one CUDA process, measured there (bench/RESULTS.md, "One-GPU defaults": 2.1x
 # upstream's train_dual.py end to end on one H200, 3 pairs; parity with upstream's numerics over 3 seeds, each
 # seed's difference inside the spread between seeds): channels-last makes the GPU's step faster, and CUDA graphs let
-# the loop reach it. Not on more processes (not measured there), on CPUs, or for entry points not measured with them
-# (tasks.Detection.one_gpu_defaults); cuda_graphs only where yolov9_ddp/graphs.py can use it. --levers and
+# the loop reach it; every entry point trains with them on one H200 (bench/RESULTS.md, 2026-12-05). Not on more
+# processes (not measured there) or on CPUs; cuda_graphs only where yolov9_ddp/graphs.py can use it. --levers and
 # --deterministic win over them.
 ONE_GPU_DEFAULTS = {'cuda_graphs': True, 'channels_last': True}
 

@@ -33,7 +33,6 @@ class Detection:
     demo_cfg: str  # the kit's tiny model of this task (yolov9_ddp/models/), trained when no model is named
     stripped_suffix: str = ''  # train.py strips last.pt into last_striped.pt; the others strip in place
     flat_and_fixed_lr: bool = True  # --flat-cos-lr and --fixed-lr: train_triple.py and the segment scripts lack them
-    one_gpu_defaults: bool = False  # levers.ONE_GPU_DEFAULTS apply: measured end to end on one GPU (bench/RESULTS.md)
     masks = False
     loss_names = ('box_loss', 'cls_loss', 'dfl_loss')
     metric_names = ('P', 'R', 'mAP50', 'mAP50-95')
@@ -189,7 +188,7 @@ TASKS = {task.name: task for task in (
     Detection('detect', 'ddp_train.py', 'train.py', ('Detect', 'DDetect'), 'utils.loss_tal', 'val', 'tiny.yaml',
               stripped_suffix='_striped'),
     Detection('detect-dual', 'ddp_train_dual.py', 'train_dual.py', ('DualDetect', 'DualDDetect'),
-              'utils.loss_tal_dual', 'val_dual', 'tiny-dual.yaml', one_gpu_defaults=True),
+              'utils.loss_tal_dual', 'val_dual', 'tiny-dual.yaml'),
     Detection('detect-triple', 'ddp_train_triple.py', 'train_triple.py', ('TripleDetect', 'TripleDDetect'),
               'utils.loss_tal_triple', 'val_triple', 'tiny-triple.yaml', flat_and_fixed_lr=False),
     Segmentation('segment', 'segment/ddp_train.py', 'segment/train.py', ('Segment', 'DSegment'),
