@@ -10,13 +10,16 @@ ends first). Around each periodic checkpoint, taken at c, the window [c - W/2, c
 next, [c + W/2, c + 3W/2), holds none: pair k is (the window without, the window with) of the k-th checkpoint. A
 window's img/s is its batches over the time from the first to the last of its stamps, taken every progress_every
 steps after waiting for the GPU (the kit's loop waits for it there anyway, to print its losses). The run stops
-after the P-th pair, about (2P + 1.5) W seconds after the Trainer starts.
+after the P-th pair, about (2P + 1.5) W seconds after the Trainer starts. Each pair also says where its checkpoint's
+cost fell: its seconds on the training thread and in the writer's, the img/s between stamps from 5 s before it to
+20 s after, and the seconds of garbage collection in each window.
 
 Why one run: two runs per pair would each need epochs of minutes to hold a checkpoint a minute, and 3 pairs of
 them do not fit one 10-minute device call; windows of one run share the process, the data stream and the GPU's
 warmth with their neighbours.
 """
 import argparse
+import gc
 import json
 import sys
 import time
@@ -46,6 +49,8 @@ class Windows:
     def __init__(self, window_s: float, pairs: int, every: int, cuda: bool, clock=time.monotonic):
         self.window_s, self.pairs, self.every, self.cuda, self.clock = window_s, pairs, every, cuda, clock
         self.stamps, self.checkpoints, self.epoch = [], [], None
+        self.parts = []  # per checkpoint: its seconds on the training thread and in the writer's thread
+        self.collections = []  # (when, seconds) of each garbage collection: it holds the GIL, every thread waits
 
     def stamp(self, epoch: int, i: int):
         """After batch i of epoch: a stamp every `every` batches; Enough once the last window has passed."""
@@ -70,25 +75,57 @@ class Windows:
         return {'img_per_s': round((n1 - n0) * batch / (t1 - t0), 2), 'seconds': round(t1 - t0, 2),
                 'batches': n1 - n0}
 
+    def timeline(self, c: float, batch: int, before=5.0, after=20.0) -> list:
+        """[seconds from c, img/s] of each interval between stamps that ends in [c - before, c + after): where the
+        checkpoint's cost falls (its copy on the training thread, then its write beside training)."""
+        intervals = zip(self.stamps, self.stamps[1:])
+        return [[round(t1 - c, 2), round((n1 - n0) * batch / (t1 - t0), 1)] for (t0, n0), (t1, n1) in intervals
+                if c - before <= t1 < c + after]
+
+    def collected_s(self, start: float, end: float) -> float:
+        return round(sum(seconds for t, seconds in self.collections if start <= t < end), 3)
+
     def pairs_of(self, batch: int) -> list:
         half, taken = self.window_s / 2, self.checkpoints[:self.pairs]
         started = self.stamps[0][0]
         return [{'checkpoint_at_s': round(c - started, 1), 'without': self.rate(c + half, c + 3 * half, batch),
-                 'with': self.rate(c - half, c + half, batch)} for c in taken]
+                 'with': self.rate(c - half, c + half, batch),
+                 'checkpoint': {**part, 'timeline': self.timeline(c, batch), 'gc_s_with': self.collected_s(
+                     c - half, c + half), 'gc_s_without': self.collected_s(c + half, c + 3 * half)}}
+                for c, part in zip(taken, self.parts)]
 
 
 def instrument(trainer, windows: Windows):
-    """Stamp after every step and note when each periodic checkpoint starts (on the Trainer object only)."""
-    after_step, save_periodic = trainer.after_step, trainer.save_periodic
+    """Stamp after every step, note when each periodic checkpoint starts and how long its parts take (on the
+    Trainer and its writer objects only), and time the garbage collections."""
+    after_step, save_periodic, write = trainer.after_step, trainer.save_periodic, trainer.writer.write
 
     def stamped_after_step(epoch, i, ni, mloss):
         after_step(epoch, i, ni, mloss)
         windows.stamp(epoch, i)
 
     def noted_save_periodic(where):
-        windows.checkpoints.append(windows.clock())
+        started = windows.clock()
+        windows.checkpoints.append(started)
+        windows.parts.append({})  # before the writer's thread starts, which fills in its part
         save_periodic(where)
+        windows.parts[-1]['training_thread_s'] = round(windows.clock() - started, 3)
+
+    def timed_write(ckpt, path, name, then):
+        part, started = windows.parts[-1], windows.clock()
+        write(ckpt, path, name, then)
+        part['write_s'] = round(windows.clock() - started, 3)
+
+    collection = {}
+
+    def timed_collection(phase, info):
+        if phase == 'start':
+            collection['started'] = windows.clock()
+        else:
+            windows.collections.append((collection['started'], windows.clock() - collection['started']))
     trainer.after_step, trainer.save_periodic = stamped_after_step, noted_save_periodic
+    trainer.writer.write = timed_write  # CheckpointWriter.submit starts its thread on self.write
+    gc.callbacks.append(timed_collection)
 
 
 def main():

@@ -390,7 +390,7 @@ class Bench:
         script = [KIT / 'bench' / 'ckpt_windows.py', '--window-s', window, '--pairs', self.args.pairs]
         self.series_of_one_job(key, series, name, [*script, *args[len(launcher(1)) + 1:]], 1, lambda pairs: [
             {'a': p['without'], 'b': {**p['with'], 'checkpoints': {  # one in each window of W s
-                'per_minute_in_timed_epoch': round(60 / window, 2)}},
+                'per_minute_in_timed_epoch': round(60 / window, 2)}, 'checkpoint': p['checkpoint']},
              'ratio': round(p['with']['img_per_s'] / p['without']['img_per_s'], 4)} for p in pairs],
             timeout=(2 * self.args.pairs + 3) * window + 120)
 

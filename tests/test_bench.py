@@ -102,9 +102,17 @@ def test_checkpoint_windows_pair_the_seconds_around_each_checkpoint_with_the_sec
                 windows.checkpoints.append(now[0])  # as the Trainer's save_periodic, before the step's stamp
             windows.stamp(0, i)
     assert i == 54 and now[0] >= 42 + 15, 'the run stops once the second pair\'s window without has passed'
+    windows.parts = [{'write_s': 1.5}, {'write_s': 2.5}]
+    windows.collections = [(19, 0.25), (24, 0.5), (30, 0.125)]  # two in [15, 25), the window with; one after
     with_one, without = {'img_per_s': 3.0, 'seconds': 8, 'batches': 6}, {'img_per_s': 4.0, 'seconds': 8, 'batches': 8}
-    assert windows.pairs_of(batch=4) == [{'checkpoint_at_s': 20, 'without': without, 'with': with_one},
-                                         {'checkpoint_at_s': 42, 'without': without, 'with': with_one}]
+    pairs = windows.pairs_of(batch=4)
+    assert [{key: pair[key] for key in ('checkpoint_at_s', 'without', 'with')} for pair in pairs] == [
+        {'checkpoint_at_s': 20, 'without': without, 'with': with_one},
+        {'checkpoint_at_s': 42, 'without': without, 'with': with_one}]
+    first = pairs[0]['checkpoint']
+    assert first['write_s'] == 1.5 and pairs[1]['checkpoint']['write_s'] == 2.5
+    assert first['timeline'][:5] == [[-4, 4.0], [-2, 4.0], [0, 4.0], [4, 2.0], [6, 4.0]]  # the stall after it
+    assert first['timeline'][-1][0] < 20 and (first['gc_s_with'], first['gc_s_without']) == (0.75, 0.125)
     with pytest.raises(TooShort):
         windows.stamp(1, 0)
 
