@@ -69,6 +69,13 @@ def test_each_training_image_is_drawn_once_per_epoch_across_ranks(sampler_run):
 
 
 @pytest.mark.slow
+def test_the_objects_of_the_set_up_are_left_out_of_garbage_collection(sampler_run):
+    """A full collection visits only what training makes (trainer.freeze_long_lived_objects)."""
+    for rank in sampler_run:
+        assert rank['objects']['frozen'] > 10 * rank['objects']['tracked'], rank['objects']
+
+
+@pytest.mark.slow
 def test_order_changes_every_epoch_and_follows_the_seed(sampler_run):
     files = sampler_run[0]['files']
     drawn = [[rank['epochs'][epoch] for rank in sampler_run] for epoch in range(EPOCHS)]

@@ -7,6 +7,7 @@ yolov9_ddp.trainer.Trainer of a task and report what each rank saw as JSON (writ
 MODES is one probe or several, comma-separated, run in that order on one trainer: one job serves every proof that
 can share it. OUT.json: {'world': W, 'ranks': [{mode: what the rank observed, ...}, ...]}.
 """
+import gc
 import hashlib
 import json
 import os
@@ -46,10 +47,11 @@ def first_norm(module: nn.Module) -> nn.Module:
 
 def probe_sampler(trainer):
     """The image paths this rank's training loader yields, per epoch."""
+    frozen, tracked = gc.get_freeze_count(), len(gc.get_objects())  # the garbage collector's, after the set-up
     count = CONFIG.get('epochs', 3)
     batches = data.TrainingBatches(trainer.train_loader, count)
     epochs = [[p for batch in batches.of_epoch(epoch) for p in batch[2]] for epoch in range(count)]
-    return {'epochs': epochs, 'cache_builds': BUILDS, 'files': list(trainer.dataset.im_files)}
+    return {'epochs': epochs, 'objects': {'frozen': frozen, 'tracked': tracked}, 'cache_builds': BUILDS, 'files': list(trainer.dataset.im_files)}
 
 
 def probe_fit(trainer):
