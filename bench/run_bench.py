@@ -51,6 +51,7 @@ import os
 import platform
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -221,7 +222,7 @@ class Bench:
         kit recorded in its run.json meanwhile (Checkpoints)."""
         csv_path = self.work / 'runs' / name / 'results.csv'
         csv_path.unlink(missing_ok=True)
-        sampler = GpuMemory() if self.cuda else None
+        sampler = GpuSampler() if self.cuda else None
         started, stamps, cache = time.monotonic(), [], None
         saved = Checkpoints(csv_path.parent)
         proc, log_path = self.launch(name, cmd, tree)
@@ -255,6 +256,8 @@ class Bench:
             figures['in_loop_img_per_s'] = loop[-1]['img_per_s']
         if peaks:
             figures['peak_mem_mib'] = peaks
+        if sampler and rows > 1:
+            figures['gpu0'] = sampler.during(stamps[-2], stamps[-1])  # the timed epoch
         if cache:
             figures['cache_memory'] = cache
         if saved.seen:
@@ -278,10 +281,18 @@ class Bench:
         out = self.logs / f'{name}.json'
         out.unlink(missing_ok=True)
         cmd = [str(x) for x in [*launcher(gpus), *script_args[:1], out, *script_args[1:]]]
-        proc, log_path = self.run_to_end(name, cmd, tree, timeout=timeout)
+        sampler = GpuSampler() if self.cuda else None
+        try:
+            proc, log_path = self.run_to_end(name, cmd, tree, timeout=timeout)
+        finally:
+            ended = time.monotonic()
+            if sampler:
+                sampler.stop()
         if proc.returncode or not out.exists():
             raise RunFailed(f'{name} exited with {proc.returncode}: {log_tail(log_path)}')
         figures = {**json.loads(out.read_text()), 'command': ' '.join(cmd)}
+        if sampler:  # gpu_step.py times its last steps: the job's last seconds, before its teardown
+            figures['gpu0'] = sampler.during(ended - 6, ended)
         print(f'   {name}: {json.dumps({k: v for k, v in figures.items() if k != "command"})[:300]}', flush=True)
         return figures
 
@@ -623,25 +634,42 @@ def machine(cuda: bool) -> dict:
     return info
 
 
-class GpuMemory:
-    """Peak memory.used per GPU, from nvidia-smi every 0.2 s."""
+class GpuSampler:
+    """nvidia-smi every 0.2 s: peak memory.used per GPU, and GPU 0's SM clock, power and temperature, so that a run's
+    figures say what the GPU ran at meanwhile (issue 23: a GPU-only step timed over 4 s and an epoch trained for a
+    minute may not run at one clock). command: nvidia-smi's, or a stand-in's that prints such lines (tests)."""
+    QUERY = 'index,memory.used,clocks.sm,power.draw,temperature.gpu'
+    NVIDIA_SMI = ['nvidia-smi', f'--query-gpu={QUERY}', '--format=csv,noheader,nounits', '-lms', '200']
 
-    def __init__(self):
-        self.peaks, self.proc = {}, subprocess.Popen(
-            ['nvidia-smi', '--query-gpu=index,memory.used', '--format=csv,noheader,nounits', '-lms', '200'],
-            stdout=subprocess.PIPE, text=True)
+    def __init__(self, command=NVIDIA_SMI, clock=time.monotonic):
+        self.peaks, self.samples, self.clock = {}, [], clock
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
         self.thread = threading.Thread(target=self.read, daemon=True)
         self.thread.start()
 
     def read(self):
         for line in self.proc.stdout:
-            index, used = (int(x) for x in line.split(','))
-            self.peaks[index] = max(self.peaks.get(index, 0), used)
+            try:
+                index, used, sm_mhz, power_w, temp_c = (float(x) for x in line.split(','))
+            except ValueError:  # a field the GPU does not report ('[N/A]')
+                continue
+            self.peaks[int(index)] = max(self.peaks.get(int(index), 0), int(used))
+            if index == 0:
+                self.samples.append((self.clock(), sm_mhz, power_w, temp_c))
 
     def stop(self):
         self.proc.terminate()
         self.thread.join(timeout=2)
         return self.peaks
+
+    def during(self, start: float, end: float) -> dict:
+        """GPU 0 from start to end (self.clock's seconds): median SM clock and power, highest temperature."""
+        inside = [sample for sample in self.samples if start <= sample[0] <= end]
+        if not inside:
+            return {}
+        _, sm_mhz, power_w, temp_c = zip(*inside)
+        return {'sm_mhz': statistics.median(sm_mhz), 'power_w': round(statistics.median(power_w)),
+                'temp_c_max': max(temp_c), 'samples': len(inside)}
 
 
 class Checkpoints:

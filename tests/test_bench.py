@@ -117,6 +117,19 @@ def test_checkpoint_windows_pair_the_seconds_around_each_checkpoint_with_the_sec
         windows.stamp(1, 0)
 
 
+def test_the_gpu_sampler_reports_peak_memory_per_gpu_and_gpu_0s_clock_power_and_heat_over_a_span():
+    """run_bench.GpuSampler on lines as nvidia-smi prints them (a stand-in prints them), GPU 0's at times 1, 2 and 3."""
+    lines = ['0, 100, 1980, 650.5, 60', '1, 900, 1500, 300.0, 50', '0, 300, 1700, 690.0, 71', '0, 200, [N/A], 1, 1',
+             '0, 150, 1800, 700.1, 65']
+    times = iter(range(1, 100))
+    sampler = run_bench.GpuSampler(['printf', '%s\\n', *lines], clock=lambda: next(times))
+    sampler.thread.join(timeout=10)
+    assert sampler.stop() == {0: 300, 1: 900}, 'a line with a field not reported is left out'
+    assert sampler.during(1, 2) == {'sm_mhz': 1840.0, 'power_w': 670, 'temp_c_max': 71.0, 'samples': 2}
+    assert sampler.during(3, 3) == {'sm_mhz': 1800.0, 'power_w': 700, 'temp_c_max': 65.0, 'samples': 1}
+    assert sampler.during(4, 9) == {}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_dry_run_call_runs_end_to_end_and_records_every_target_key(pinned_upstream, tmp_path, offline_env):
