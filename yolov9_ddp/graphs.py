@@ -36,10 +36,10 @@ def unsupported(opt, world_size: int) -> str:
 
 def one_gpu_defaults(opt, world_size: int) -> dict:
     """The levers.ONE_GPU_DEFAULTS a new run takes here: none on CPUs, on more processes or on resume (a run keeps
-    its own), and cuda_graphs only where this
-    run can use it and where the batch is not AutoBatch's (--batch-size -1): AutoBatch sizes the batch to a share
-    of the GPU's memory by the eager step's, and the captured graphs keep their own memory beside the cache (2.4 GB
-    more at batch 32 on an H200, bench/RESULTS.md), which its estimate does not hold."""
+    its own), and cuda_graphs only where this run can use it and where the batch is not AutoBatch's (--batch-size
+    -1): AutoBatch sizes the batch to a share of the GPU's memory by the eager step's, and the captured graphs keep
+    their own memory beside the cache (2.4 GB more at batch 32 on an H200, bench/RESULTS.md), which its estimate
+    does not hold."""
     if opt.resume or world_size > 1 or no_cuda(opt):
         return {}
     return {name: value for name, value in ONE_GPU_DEFAULTS.items()

@@ -51,7 +51,8 @@ def probe_sampler(trainer):
     count = CONFIG.get('epochs', 3)
     batches = data.TrainingBatches(trainer.train_loader, count)
     epochs = [[p for batch in batches.of_epoch(epoch) for p in batch[2]] for epoch in range(count)]
-    return {'epochs': epochs, 'objects': {'frozen': frozen, 'tracked': tracked}, 'cache_builds': BUILDS, 'files': list(trainer.dataset.im_files)}
+    return {'epochs': epochs, 'objects': {'frozen': frozen, 'tracked': tracked}, 'cache_builds': BUILDS,
+            'files': list(trainer.dataset.im_files)}
 
 
 def probe_fit(trainer):
