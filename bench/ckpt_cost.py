@@ -4,9 +4,10 @@ the GPU-only step of bench/gpu_step.py (the kit's Trainer.train_step on a fixed 
 
     python bench/ckpt_cost.py OUT.json [--pairs P] [--steps S] [--every K] ARGS      (cwd: the kit tree)
 
-ARGS are ddp_train_dual.py's. Rank 0's part of a checkpoint is host_checkpoint() (checkpoint.host_copy: the
-state pickled in memory with every tensor copied to the host) and a CheckpointWriter.submit() (torch.save in a
-background thread, which shares the interpreter with the training thread). The parts are timed alone (median of
+ARGS are ddp_train_dual.py's. Rank 0's part of a checkpoint is queue_host_checkpoint() (checkpoint.QueuedHostCopy:
+the state pickled in memory with every tensor's copy to the host queued) and a CheckpointWriter.submit() (the copy
+completed and torch.save in a background thread, which shares the interpreter with the training thread); the
+parts' host_checkpoint_s is the two halves in a row. The parts are timed alone (median of
 5): the pickling with the tensors left where they are, the copies to the host one tensor at a time (blocking),
 the same copies queued without blocking and waited for once, and torch.save of a host copy. Then P alternating
 rounds of S steps without a checkpoint, with one every K steps, and with one every K steps written by torch.save
@@ -82,12 +83,12 @@ def pickled_aside(obj, copy=None):
 def parts(trainer, where) -> dict:
     state = trainer.checkpoint_of(where)
     queued = lambda: (pickled_aside(state, checkpoint.on_host), synchronize())  # noqa: E731
-    host = trainer.host_checkpoint(where)
+    host = trainer.queue_host_checkpoint(where)()
     sample = next(t for t in pickled_aside(state, checkpoint.on_host) if t.numel())
     with tempfile.TemporaryDirectory() as folder:
         save_s = timed(lambda: torch.save(host, Path(folder) / 'last.pt'), 3)
         size = (Path(folder) / 'last.pt').stat().st_size
-    return {'host_checkpoint_s': timed(lambda: trainer.host_checkpoint(where)),
+    return {'host_checkpoint_s': timed(lambda: trainer.queue_host_checkpoint(where)()),
             'pickle_only_s': timed(lambda: pickled_aside(state)),
             'pickle_and_blocking_copies_s': timed(lambda: pickled_aside(state, lambda t: t.detach().to('cpu'))),
             'pickle_and_queued_copies_s': timed(queued),
@@ -122,7 +123,7 @@ def main():
             for i in range(args.steps):
                 step(i)
                 if with_checkpoints and (i + 1) % args.every == 0:
-                    taken += writer.submit(trainer.host_checkpoint(where), folder / 'last.pt', f'step {i}')
+                    taken += writer.submit(trainer.queue_host_checkpoint(where), folder / 'last.pt', f'step {i}')
             synchronize()
             seconds = time.perf_counter() - started
             writer.wait()

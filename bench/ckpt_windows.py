@@ -11,8 +11,9 @@ next, [c + W/2, c + 3W/2), holds none: pair k is (the window without, the window
 window's img/s is its batches over the time from the first to the last of its stamps, taken every progress_every
 steps after waiting for the GPU (the kit's loop waits for it there anyway, to print its losses). The run stops
 after the P-th pair, about (2P + 1.5) W seconds after the Trainer starts. Each pair also says where its checkpoint's
-cost fell: its seconds on the training thread and in the writer's, the img/s between stamps from 5 s before it to
-20 s after, and the seconds of garbage collection in each window.
+cost fell: its seconds on the training thread and in the writer's (each also as the thread's CPU seconds, and the
+writer's until the host copy was complete), the img/s between stamps from 5 s before it to 20 s after, and the
+seconds of garbage collection in each window.
 
 Why one run: two runs per pair would each need epochs of minutes to hold a checkpoint a minute, and 3 pairs of
 them do not fit one 10-minute device call; windows of one run share the process, the data stream and the GPU's
@@ -105,16 +106,22 @@ def instrument(trainer, windows: Windows):
         windows.stamp(epoch, i)
 
     def noted_save_periodic(where):
-        started = windows.clock()
+        started, cpu = windows.clock(), time.thread_time()
         windows.checkpoints.append(started)
         windows.parts.append({})  # before the writer's thread starts, which fills in its part
         save_periodic(where)
-        windows.parts[-1]['training_thread_s'] = round(windows.clock() - started, 3)
+        windows.parts[-1].update(training_thread_s=round(windows.clock() - started, 3),
+                                 training_thread_cpu_s=round(time.thread_time() - cpu, 3))
 
-    def timed_write(ckpt, path, name, then):
-        part, started = windows.parts[-1], windows.clock()
-        write(ckpt, path, name, then)
-        part['write_s'] = round(windows.clock() - started, 3)
+    def timed_write(make, path, name, then):
+        part, started, cpu = windows.parts[-1], windows.clock(), time.thread_time()
+
+        def timed_make():
+            made = make()
+            part['completed_s'] = round(windows.clock() - started, 3)
+            return made
+        write(timed_make, path, name, then)
+        part.update(write_s=round(windows.clock() - started, 3), write_cpu_s=round(time.thread_time() - cpu, 3))
 
     collection = {}
 

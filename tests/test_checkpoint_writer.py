@@ -1,8 +1,8 @@
-"""Periodic checkpoints (issue 21, point 3): rank 0 takes a host_copy() of the training state between two steps and a
-CheckpointWriter writes it off the training thread (yolov9_ddp.checkpoint). Unit tests, no training:
+"""Periodic checkpoints (issue 21, point 3): rank 0 queues a host copy of the training state between two steps and a
+CheckpointWriter completes and writes it off the training thread (yolov9_ddp.checkpoint). Unit tests, no training:
 
-  - the copy lives in host memory and shares nothing with the state the training thread goes on changing
-    (modules, optimizer state, nested containers); on a GPU, without a second copy of the model there
+  - the copy is the state when it was queued, lives in host memory and shares nothing with the state the training
+    thread goes on changing (modules, optimizer state, nested containers)
   - one write at a time: a write still running makes the next one skipped, with one line, and submit() returns at
     once; wait() ends the write under way
   - the replaced last.pt stays as last.previous.pt
@@ -21,7 +21,7 @@ from torch import nn
 
 from testsupport.trees import KIT
 from yolov9_ddp import checkpoint
-from yolov9_ddp.checkpoint import CheckpointWriter, host_copy, previous_path
+from yolov9_ddp.checkpoint import CheckpointWriter, QueuedHostCopy, host_copy, previous_path
 
 pytestmark = pytest.mark.timeout(60)
 SKIPPED = re.compile(r'^checkpoint at step 20 skipped: the previous write \(\d+\.\d s so far\) is still running$')
@@ -46,21 +46,22 @@ def tensors(obj) -> list:
     return [t for value in values for t in tensors(value)]
 
 
-def test_a_host_copy_shares_nothing_with_the_training_state():
+def test_a_host_copy_is_the_state_when_it_was_queued_and_shares_nothing_with_it():
     state, optimizer = training_state()
-    copy = host_copy(state)
-    expected = [t.clone() for t in tensors(copy)]
+    expected = [t.clone() for t in tensors(state)]
+    queued = QueuedHostCopy(state)  # the training thread's half
     originals = tensors(state)
-    assert len(originals) == len(expected) > 10
-    assert not {t.untyped_storage().data_ptr() for t in originals} & {t.untyped_storage().data_ptr()
-                                                                        for t in tensors(copy)}
-    with torch.no_grad():  # the training thread goes on: an optimizer step, the EMA, the next position
-        for t in originals:
+    with torch.no_grad():  # the training thread goes on (an optimizer step, the EMA, the next position) before
+        for t in originals:  # the writer's thread completes the copy
             t.add_(1)
     state['position']['step'] = 8
     state['optimizer']['param_groups'][0]['lr'] = 0.2
+    copy = queued.result()
+    assert len(originals) == len(expected) > 10
     assert all(torch.equal(a, b) for a, b in zip(tensors(copy), expected))
     assert copy['position']['step'] == 7 and copy['optimizer']['param_groups'][0]['lr'] == 0.1
+    assert not {t.untyped_storage().data_ptr() for t in originals} & {t.untyped_storage().data_ptr()
+                                                                        for t in tensors(copy)}
     assert optimizer.state_dict()['state'][0]['momentum_buffer'] is not copy['optimizer']['state'][0]['momentum_buffer']
 
 
@@ -80,6 +81,11 @@ def test_a_host_copy_keeps_the_modules_and_their_parameters():
 
 # -- the writer --------------------------------------------------------------------------------------------------------
 
+def state_of(epoch: int):
+    """What submit() takes: the function that makes the checkpoint in the writer's thread."""
+    return lambda: {'epoch': epoch}
+
+
 def epoch_of(path) -> int:
     return torch.load(path, weights_only=False)['epoch']
 
@@ -87,9 +93,9 @@ def epoch_of(path) -> int:
 def test_the_checkpoint_it_replaces_stays_as_last_previous(tmp_path):
     last, lines = tmp_path / 'last.pt', []
     with CheckpointWriter(lines.append) as writer:
-        assert writer.submit({'epoch': 1}, last, 'checkpoint at step 10')
+        assert writer.submit(state_of(1), last, 'checkpoint at step 10')
         writer.wait()
-        assert writer.submit({'epoch': 2}, last, 'checkpoint at step 20')
+        assert writer.submit(state_of(2), last, 'checkpoint at step 20')
     assert not writer.running
     assert (epoch_of(last), epoch_of(previous_path(last))) == (2, 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ['last.previous.pt', 'last.pt'] and lines == []
@@ -118,14 +124,14 @@ def slow_disk(monkeypatch):
 def test_a_write_still_running_makes_the_next_one_skipped_with_one_line(tmp_path, slow_disk):
     last, lines = tmp_path / 'last.pt', []
     writer = CheckpointWriter(lines.append)
-    assert writer.submit({'epoch': 1}, last, 'checkpoint at step 10')  # returns while the write blocks
-    assert not writer.submit({'epoch': 2}, last, 'checkpoint at step 20')
+    assert writer.submit(state_of(1), last, 'checkpoint at step 10')  # returns while the write blocks
+    assert not writer.submit(state_of(2), last, 'checkpoint at step 20')
     assert len(lines) == 1 and SKIPPED.match(lines[0]), lines
     assert writer.running and not last.exists()
     slow_disk.set()
     writer.wait()
     assert epoch_of(last) == 1 and not writer.running
-    assert writer.submit({'epoch': 3}, last, 'checkpoint at step 30')
+    assert writer.submit(state_of(3), last, 'checkpoint at step 30')
     writer.close()
     assert (epoch_of(last), epoch_of(previous_path(last))) == (3, 1)
     assert slow_disk.most_at_once == [1] and len(lines) == 1
@@ -135,7 +141,7 @@ def test_a_failing_write_says_so_in_one_line_and_keeps_the_checkpoints_before_it
     last, lines = tmp_path / 'last.pt', []
     writer = CheckpointWriter(lines.append)
     for epoch in (1, 2):
-        writer.submit({'epoch': epoch}, last, f'checkpoint at step {epoch}0')
+        writer.submit(state_of(epoch), last, f'checkpoint at step {epoch}0')
         writer.wait()
 
     def disk_full(obj, f):
@@ -143,14 +149,14 @@ def test_a_failing_write_says_so_in_one_line_and_keeps_the_checkpoints_before_it
         raise OSError(28, 'No space left on device')
 
     monkeypatch.setattr(checkpoint.torch, 'save', disk_full)
-    assert writer.submit({'epoch': 3}, last, 'checkpoint at step 30')
+    assert writer.submit(state_of(3), last, 'checkpoint at step 30')
     writer.wait()
     assert lines == [f'WARNING: checkpoint at step 30 could not be written to {last} (OSError: [Errno 28] No space '
                      f'left on device); training goes on, and a resume takes the checkpoint before it']
     assert (epoch_of(last), epoch_of(previous_path(last))) == (2, 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ['last.previous.pt', 'last.pt']  # no temporary file left
     monkeypatch.undo()
-    assert writer.submit({'epoch': 4}, last, 'checkpoint at step 40')  # the writer goes on working
+    assert writer.submit(state_of(4), last, 'checkpoint at step 40')  # the writer goes on working
     writer.close()
     assert (epoch_of(last), epoch_of(previous_path(last))) == (4, 2)
 
@@ -161,7 +167,7 @@ from yolov9_ddp import checkpoint
 real_save = torch.save
 checkpoint.torch.save = lambda obj, f: (time.sleep(0.5), real_save(obj, f))
 writer = checkpoint.CheckpointWriter(print)
-writer.submit({'epoch': 5}, sys.argv[1], 'checkpoint at step 50')
+writer.submit(lambda: {'epoch': 5}, sys.argv[1], 'checkpoint at step 50')
 sys.exit(1)  # a failing rank: no wait(), no close()
 '''
 

@@ -7,8 +7,8 @@ are pickled, so upstream's val_dual.py, detect_dual.py and attempt_load() read o
 what an exact resume needs: the grad scaler and the kit's format version.
 
 Periodic checkpoints (--checkpoint-steps, --checkpoint-minutes) are written off the training thread, as
-torchtitan's asynchronous checkpoints: rank 0 takes a host_copy() of the state between two steps and a
-CheckpointWriter writes it in a background thread, one write at a time, while training goes on.
+torchtitan's asynchronous checkpoints: rank 0 queues a host copy of the state between two steps (QueuedHostCopy)
+and a CheckpointWriter completes and writes it in a background thread, one write at a time, while training goes on.
 """
 import io
 import os
@@ -99,20 +99,36 @@ def remove_stale_temporaries(folder: Path):
 
 def host_copy(obj):
     """A copy of a checkpoint whose tensors are detached copies in host memory, sharing nothing with obj: the training
-    thread goes on changing its own (the next optimizer step, the EMA) while a background thread writes this one.
+    thread goes on changing its own (the next optimizer step, the EMA) while a background thread writes this one."""
+    return QueuedHostCopy(obj).result()
+
+
+class QueuedHostCopy:
+    """host_copy() in two halves, so that the training thread never waits for the GPU: made on the training thread
+    between two steps, result() wherever the copy is needed (CheckpointWriter's thread).
 
     obj is pickled in memory as torch.save would write it (modules, optimizer state, nested containers), with every
-    tensor set aside and copied to the CPU: a model on a GPU never has a second copy there, as a deepcopy would make
-    before moving it, and a tensor held in two places is copied once, as torch.save keeps it. The copies from a GPU
-    are queued (into pinned memory) and waited for once, not one at a time (0.13 s instead of 0.18 s for yolov9-s's
-    4453 tensors, bench/ckpt_cost.py)."""
-    buffer = io.BytesIO()
-    pickler = TensorsAside(buffer)
-    pickler.dump(obj)
-    if pickler.from_gpu:
-        torch.cuda.synchronize()  # every queued copy has landed before anything reads the host copies
-    buffer.seek(0)
-    return TensorsBack(buffer, pickler.tensors).load()
+    tensor set aside and its copy to the host queued on the GPU's stream (into pinned memory), behind the step that
+    made it and ahead of any later step that changes it: a model on a GPU never has a second copy there, as a
+    deepcopy would make before moving it, and a tensor held in two places is copied once, as torch.save keeps it.
+    result() waits for those copies (an event recorded behind them) and rebuilds obj around them, so that neither
+    the wait nor the rebuild's Python work falls on the training thread (0.74-0.87 s of its time a checkpoint when
+    both did, on an H200 with CUDA graphs: bench/RESULTS.md)."""
+
+    def __init__(self, obj):
+        buffer = io.BytesIO()
+        pickler = TensorsAside(buffer)
+        pickler.dump(obj)
+        self.pickled, self.tensors = buffer.getvalue(), pickler.tensors
+        self.landed = None
+        if pickler.gpu is not None:
+            self.landed = torch.cuda.Event()
+            self.landed.record(torch.cuda.current_stream(pickler.gpu))
+
+    def result(self):
+        if self.landed is not None:
+            self.landed.synchronize()  # every queued copy has landed before anything reads the host copies
+        return TensorsBack(io.BytesIO(self.pickled), self.tensors).load()
 
 
 class TensorsAside(pickle.Pickler):
@@ -121,7 +137,7 @@ class TensorsAside(pickle.Pickler):
 
     def __init__(self, file):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors, self.index, self.from_gpu = [], {}, False
+        self.tensors, self.index, self.gpu = [], {}, None  # gpu: the device of the tensors copied from one
 
     def persistent_id(self, obj):
         if not isinstance(obj, torch.Tensor):
@@ -129,7 +145,8 @@ class TensorsAside(pickle.Pickler):
         if id(obj) not in self.index:
             self.index[id(obj)] = len(self.tensors)
             self.tensors.append(on_host(obj))
-            self.from_gpu |= obj.is_cuda
+            if obj.is_cuda:
+                self.gpu = obj.device
         return self.index[id(obj)]
 
 
@@ -146,7 +163,7 @@ class TensorsBack(pickle.Unpickler):
 
 def on_host(tensor: torch.Tensor) -> torch.Tensor:
     """A detached copy in host memory, in the same memory format; a Parameter stays one (a pickled module's are).
-    From a GPU the copy is only queued: it has landed after torch.cuda.synchronize() (host_copy waits)."""
+    From a GPU the copy is only queued on the device's stream (QueuedHostCopy waits for it)."""
     copy = tensor.detach().to('cpu', copy=True, non_blocking=True)
     if isinstance(tensor, nn.Parameter):
         return nn.Parameter(copy, requires_grad=tensor.requires_grad)
@@ -180,23 +197,24 @@ class CheckpointWriter:
     def running(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
 
-    def submit(self, ckpt, path: Path, name: str, then=None) -> bool:
-        """Start writing ckpt (a host_copy(), which nothing else changes) to path, unless the previous write still
-        runs: then skip it with one line; name says which checkpoint this is ('checkpoint at step 1200'). then():
-        run in the writer's thread once the file is in place (the run's record of its checkpoints)."""
+    def submit(self, make, path: Path, name: str, then=None) -> bool:
+        """Start writing the checkpoint that make() returns, in the writer's thread (the completion of a
+        QueuedHostCopy, which nothing else changes), to path, unless the previous write still runs: then skip it
+        with one line; name says which checkpoint this is ('checkpoint at step 1200'). then(): run in the writer's
+        thread once the file is in place (the run's record of its checkpoints)."""
         if self.running:
             self.log(f'{name} skipped: the previous write ({time.monotonic() - self.started:.1f} s so far) is still '
                      f'running')
             return False
         self.started = time.monotonic()
-        self.thread = threading.Thread(target=self.write, args=(ckpt, Path(path), name, then),
+        self.thread = threading.Thread(target=self.write, args=(make, Path(path), name, then),
                                        name='checkpoint-writer')
         self.thread.start()
         return True
 
-    def write(self, ckpt, path: Path, name: str, then):
+    def write(self, make, path: Path, name: str, then):
         try:
-            save_atomic(ckpt, path, keep_previous=True)
+            save_atomic(make(), path, keep_previous=True)
             if then is not None:
                 then()
         except Exception as e:  # disk full, permissions: no partial file, and the checkpoints before it are intact

@@ -479,7 +479,7 @@ class Trainer:
         if not self.primary:
             return
         self.last_checkpoint_time = time.monotonic()
-        self.writer.submit(self.host_checkpoint(where), self.last, f'checkpoint at epoch {where.epoch} step '
+        self.writer.submit(self.queue_host_checkpoint(where), self.last, f'checkpoint at epoch {where.epoch} step '
                            f'{where.step}', then=lambda: self.record_saved(where))
 
     def record_saved(self, where: position.Position):
@@ -631,8 +631,7 @@ class Trainer:
         epoch = where.epoch - 1  # upstream's: the last complete epoch
         self.writer.wait()  # a periodic checkpoint under way: never two writers of last.pt
         self.last_checkpoint_time = time.monotonic()
-        ckpt = self.host_checkpoint(where)
-        checkpoint.save_atomic(ckpt, self.last, keep_previous=True)
+        checkpoint.save_atomic(self.queue_host_checkpoint(where)(), self.last, keep_previous=True)
         self.record_saved(where)
         if fitness_of is not None and self.best_fitness == fitness_of:
             checkpoint.copy_atomic(self.last, self.best)
@@ -640,14 +639,19 @@ class Trainer:
             checkpoint.copy_atomic(self.last, self.weights_dir / f'epoch{epoch}.pt')
         self.callbacks.run('on_model_save', self.last, epoch, final_epoch, self.best_fitness, fitness_of)
 
-    def host_checkpoint(self, where: position.Position) -> dict:
-        """Upstream's checkpoint (its scripts read ours) with the grad scaler, the world size and the position: a
-        copy in host memory (checkpoint.host_copy), its models in the default memory format, which upstream's
+    def queue_host_checkpoint(self, where: position.Position):
+        """Upstream's checkpoint (its scripts read ours) with the grad scaler, the world size and the position, as a
+        copy in host memory queued here (checkpoint.QueuedHostCopy) and completed by the function returned (in the
+        writer's thread for a periodic checkpoint): its models then in the default memory format, which upstream's
         fuse_conv_and_bn() (a .view) requires."""
-        ckpt = checkpoint.host_copy(self.checkpoint_of(where))
-        for key in ('model', 'ema'):
-            ckpt[key].to(memory_format=torch.contiguous_format)
-        return ckpt
+        copy = checkpoint.QueuedHostCopy(self.checkpoint_of(where))
+
+        def completed() -> dict:
+            ckpt = copy.result()
+            for key in ('model', 'ema'):
+                ckpt[key].to(memory_format=torch.contiguous_format)
+            return ckpt
+        return completed
 
     def checkpoint_of(self, where: position.Position) -> dict:
         return {
