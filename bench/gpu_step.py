@@ -94,7 +94,8 @@ def profile_steps(step, first: int, count: int, cuda: bool, top: int = 20) -> di
 
 
 def kit_trainer(opt, device):
-    """(the kit's Trainer in training mode, this rank's share of a fixed batch on the device, its targets)."""
+    """(the kit's Trainer in training mode, this rank's share of a fixed batch on the device, its targets as the
+    loss takes them: Trainer.loss_targets)."""
     from yolov9_ddp.trainer import plan_start, prepare_trainer
     trainer = prepare_trainer(TASK, opt, device, plan_start(opt))
     per_rank = trainer.batch_size // trainer.world
@@ -104,7 +105,7 @@ def kit_trainer(opt, device):
     if trainer.levers.channels_last:
         images = images.contiguous(memory_format=torch.channels_last)
     trainer.model.train()
-    return trainer, images, targets.to(device, non_blocking=pin)
+    return trainer, images, trainer.loss_targets(targets.pin_memory() if pin else targets)
 
 
 def kit_step(opt, device):

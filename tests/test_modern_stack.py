@@ -545,3 +545,67 @@ assert (Path(sys.argv[1]) / 'labels.jpg').is_file() and (Path(sys.argv[1]) / 'la
 print('ok')
 '''
     assert_fix(tree_without(15), patched_tree, code, offline_env, ['seaborn is imported at start'], args=[tmp_path])
+
+
+# -- 0016: the detection losses build their targets without waiting for the GPU -----------------------------------
+
+LOSSES_ON_META = '''
+import hashlib, json, sys, traceback
+import torch, yaml
+from models.yolo import Model
+HYP = yaml.safe_load(open('data/hyps/hyp.scratch-high.yaml'))
+TARGETS = torch.tensor([[0, 1, .5, .5, .2, .2], [1, 0, .3, .3, .1, .1], [1, 1, .6, .6, .2, .1]])  # the loader's
+
+
+def first_read(module, cfg):
+    """Where the loss first reads a value from the model's device: on 'meta', whose values cannot be read, each
+    such read (an .item(), a blocking copy, a tensor's truth) fails, as it would wait for the GPU on a GPU."""
+    torch.manual_seed(0)
+    model = Model(cfg, ch=3, nc=2)
+    model.hyp = HYP
+    model.to('meta')
+    loss = __import__(module, fromlist=['ComputeLoss']).ComputeLoss(model)
+    try:
+        loss(model(torch.zeros(2, 3, 64, 64, device='meta')), TARGETS)
+    except Exception as e:
+        frame = [f for f in traceback.extract_tb(e.__traceback__) if '/torch/' not in f.filename][-1]
+        return frame.filename.rsplit('/', 1)[-1]
+    return 'nowhere'
+
+
+def cpu_numbers(module, cfg):
+    torch.manual_seed(0)
+    model = Model(cfg, ch=3, nc=2)
+    model.hyp = HYP
+    value, items = __import__(module, fromlist=['ComputeLoss']).ComputeLoss(model)(
+        model(torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))), TARGETS)
+    value.backward()
+    grads = hashlib.sha256(b''.join(p.grad.numpy().tobytes() for p in model.parameters() if p.grad is not None))
+    return [value.item(), items.tolist(), grads.hexdigest()]
+
+
+cases = json.loads(sys.argv[1])
+numbers = {module: cpu_numbers(module, cfg) for module, cfg in cases}
+reads = {module: first_read(module, cfg) for module, cfg in cases}
+print(json.dumps(numbers))
+waits = {module: where for module, where in reads.items() if where != 'assigner.py'}
+assert not waits, f'the loss waits for the GPU before its assigner: {waits}'
+print('ok')
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.one_core
+def test_0016_detection_losses_reach_their_assigner_without_waiting_for_the_gpu(tree_without, patched_tree,
+                                                                                offline_env):
+    # make_anchors' torch.full(..., GPU stride) read each stride, the image size was a blocking copy, and preprocess()
+    # tested, indexed and sliced by GPU counts for each image: about 100 waits a step, each leaving the GPU idle
+    models = Path(TINY_CFG).parent
+    cases = json.dumps([['utils.loss_tal', str(models / 'tiny.yaml')], ['utils.loss_tal_dual', str(TINY_CFG)],
+                        ['utils.loss_tal_triple', str(models / 'tiny-triple.yaml')]])
+    without = probe(tree_without(16), LOSSES_ON_META, offline_env, args=[cases])
+    assert_fails(without, 'the loss waits for the GPU before its assigner', 'anchor_generator.py')
+    patched = probe(patched_tree, LOSSES_ON_META, offline_env, args=[cases])
+    assert_works(patched)
+    # on the host both trees compute the same numbers, bit for bit: the loss, its items and the gradients
+    assert without.stdout.splitlines()[-1] == patched.stdout.splitlines()[-2], describe(without)

@@ -41,6 +41,7 @@ class Levers:
     channels_last: bool = False  # NHWC tensors for the convolutions (--channels-last)
     cuda_graphs: bool = False  # forward and backward replayed as CUDA graphs, one GPU (yolov9_ddp/graphs.py)
     fill_uninitialized: bool = False  # under deterministic algorithms, torch's NaN in every new tensor (a memset each)
+    host_targets: bool = False  # detection losses get the loader's targets and pad them on the host (patch 0016)
 
 
 # The defaults of a new run on one CUDA process, measured there (bench/RESULTS.md, "One-GPU defaults": 2.1x

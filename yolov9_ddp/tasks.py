@@ -34,6 +34,7 @@ class Detection:
     stripped_suffix: str = ''  # train.py strips last.pt into last_striped.pt; the others strip in place
     flat_and_fixed_lr: bool = True  # --flat-cos-lr and --fixed-lr: train_triple.py and the segment scripts lack them
     masks = False
+    takes_host_targets = True  # its loss pads the targets where they are, then moves them once (patch 0016)
     loss_names = ('box_loss', 'cls_loss', 'dfl_loss')
     metric_names = ('P', 'R', 'mAP50', 'mAP50-95')
     demo_folder = 'demo-data'  # beside --project, when --data is not given
@@ -115,6 +116,7 @@ class Segmentation(Detection):
     validation measures boxes and masks (--mask-ratio, --no-overlap as upstream)."""
     flat_and_fixed_lr: bool = False
     masks = True
+    takes_host_targets = False  # upstream's segmentation losses copy the targets to the GPU themselves, blocking
     loss_names = ('box_loss', 'seg_loss', 'cls_loss', 'dfl_loss')
     metric_names = ('P(B)', 'R(B)', 'mAP50(B)', 'mAP50-95(B)', 'P(M)', 'R(M)', 'mAP50(M)', 'mAP50-95(M)')
     demo_folder = 'demo-data-seg'

@@ -527,7 +527,7 @@ class Trainer:
             imgs = imgs.to(self.device, non_blocking=non_blocking).float() / 255
             if self.levers.channels_last:
                 imgs = imgs.contiguous(memory_format=torch.channels_last)
-            loss_items = self.train_step(ni, epoch, imgs, targets.to(self.device, non_blocking=non_blocking),
+            loss_items = self.train_step(ni, epoch, imgs, self.loss_targets(targets),
                                          **self.task.loss_inputs(batch, self.device, non_blocking))
             mloss = (mloss * i + loss_items) / (i + 1)
             self.after_step(epoch, i, ni, mloss)
@@ -539,6 +539,13 @@ class Trainer:
                 self.callbacks.run('on_train_batch_end', self.raw_model, ni, imgs, targets, paths, list(mloss),
                                    **self.task.plot_inputs(batch))
         return mloss
+
+    def loss_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """The batch's targets as the loss takes them: the loader's (on the host) with the lever host_targets where the
+        task's loss pads them there without waiting for the GPU (patch 0016), else copied to the device."""
+        if self.levers.host_targets and self.task.takes_host_targets:
+            return targets
+        return targets.to(self.device, non_blocking=self.levers.pin_memory)
 
     def warmup(self, ni, epoch):
         """Upstream's warmup: accumulation, learning rates and momentum ramp up over the first iterations."""
