@@ -14,9 +14,11 @@ import io
 import os
 import pickle
 import shutil
+import sys
 import threading
 import time
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -27,6 +29,10 @@ from yolov9_ddp.comm import Unanimous
 FORMAT = 'yolov9-ddp/1'
 RESUME_KEYS = ('epoch', 'model', 'ema', 'updates', 'optimizer', 'opt')
 COPY_CHUNK = 16 * 2 ** 20  # bytes
+# The interpreter's lock changes hands this often while a periodic checkpoint is written beside training (Python's
+# default: 5 ms). The training thread lets go of it at every torch call; with the writer's thread waiting, it
+# then waits up to a whole interval to get it back (the convoy effect, https://bugs.python.org/issue7946).
+WRITING_SWITCH_INTERVAL_S = 0.00005
 
 
 class CheckpointError(Exception):
@@ -214,7 +220,8 @@ class CheckpointWriter:
 
     def write(self, make, path: Path, name: str, then):
         try:
-            save_atomic(make(), path, keep_previous=True)
+            with switch_interval(WRITING_SWITCH_INTERVAL_S):
+                save_atomic(make(), path, keep_previous=True)
             if then is not None:
                 then()
         except Exception as e:  # disk full, permissions: no partial file, and the checkpoints before it are intact
@@ -264,3 +271,14 @@ def load_for_resume(path: Path, log) -> tuple:
             return load_checkpoint(previous, require_resume_state=True), previous
         except CheckpointError as second:
             raise CheckpointError(f'{error}; and {second}') from second
+
+
+@contextmanager
+def switch_interval(seconds: float):
+    """sys.setswitchinterval(seconds) for the block (one writer at a time sets it), then the interval before it."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
