@@ -9,7 +9,8 @@ the state pickled in memory with every tensor's copy to the host queued) and a C
 completed and torch.save in a background thread, which shares the interpreter with the training thread); the
 parts' host_checkpoint_s is the two halves in a row. The parts are timed alone (median of
 5): the pickling with the tensors left where they are, the copies to the host one tensor at a time (blocking),
-the same copies queued without blocking and waited for once, and torch.save of a host copy. Then P alternating
+the same copies queued without blocking and waited for once, one copy for each dtype's tensors (QueuedHostCopy's way)
+and torch.save of a host copy. Then P alternating
 rounds of S steps without a checkpoint, with one every K steps, and with one every K steps written by torch.save
 given the file's name (save_atomic gives it an open file object): the cost per checkpoint is the difference to the
 round without, over the checkpoints taken; one_a_minute_ratio is what that cost makes of a
@@ -59,13 +60,11 @@ class Aside(checkpoint.TensorsAside):
         super().__init__(file)
         self.copy = copy
 
-    def persistent_id(self, obj):
-        if not isinstance(obj, torch.Tensor):
-            return None
-        if id(obj) not in self.index:
-            self.index[id(obj)] = len(self.tensors)
-            self.tensors.append(obj if self.copy is None else self.copy(obj))
-        return self.index[id(obj)]
+    def reducer_override(self, obj):
+        reduced = super().reducer_override(obj)
+        if reduced is not NotImplemented and self.copy is not None:
+            self.tensors[-1] = self.copy(obj)
+        return reduced
 
 
 def save_by_name(obj, f):
@@ -82,16 +81,17 @@ def pickled_aside(obj, copy=None):
 
 def parts(trainer, where) -> dict:
     state = trainer.checkpoint_of(where)
-    queued = lambda: (pickled_aside(state, checkpoint.on_host), synchronize())  # noqa: E731
+    one_each = lambda t: t.detach().to('cpu', copy=True, non_blocking=True)  # noqa: E731
     host = trainer.queue_host_checkpoint(where)()
-    sample = next(t for t in pickled_aside(state, checkpoint.on_host) if t.numel())
+    sample = next(t for t in checkpoint.QueuedHostCopy(state).copies if t.numel())
     with tempfile.TemporaryDirectory() as folder:
         save_s = timed(lambda: torch.save(host, Path(folder) / 'last.pt'), 3)
         size = (Path(folder) / 'last.pt').stat().st_size
     return {'host_checkpoint_s': timed(lambda: trainer.queue_host_checkpoint(where)()),
             'pickle_only_s': timed(lambda: pickled_aside(state)),
             'pickle_and_blocking_copies_s': timed(lambda: pickled_aside(state, lambda t: t.detach().to('cpu'))),
-            'pickle_and_queued_copies_s': timed(queued),
+            'pickle_and_queued_copies_s': timed(lambda: pickled_aside(state, one_each)),
+            'pickle_and_grouped_copies_s': timed(lambda: checkpoint.QueuedHostCopy(state)),
             'queued_copy_lands_pinned': sample.is_pinned(),
             'tensors': len(pickled_aside(state)), 'torch_save_s': save_s, 'file_mb': round(size / 2 ** 20, 1)}
 

@@ -3,6 +3,8 @@ CheckpointWriter completes and writes it off the training thread (yolov9_ddp.che
 
   - the copy is the state when it was queued, lives in host memory and shares nothing with the state the training
     thread goes on changing (modules, optimizer state, nested containers)
+  - the training thread copies the tensors of each dtype with one call; each copy keeps its tensor's memory layout
+    and owns its storage
   - one write at a time: a write still running makes the next one skipped, with one line, and submit() returns at
     once; wait() ends the write under way
   - the replaced last.pt stays as last.previous.pt
@@ -14,11 +16,13 @@ import re
 import subprocess
 import sys
 import threading
+from collections import Counter
 from copy import deepcopy
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from testsupport.trees import KIT
 from yolov9_ddp import checkpoint
@@ -78,6 +82,39 @@ def test_a_host_copy_keeps_the_modules_and_their_parameters():
     assert copy['position']['rng'][1][0].is_leaf and isinstance(copy['position']['rng'][1], tuple)
     twice = host_copy({'model': state['model'], 'again': state['model'], 'tensor': [state['position']['rng'][0]] * 2})
     assert twice['again'] is twice['model'] and twice['tensor'][0] is twice['tensor'][1]  # held twice, copied once
+
+
+class CountedOps(TorchDispatchMode):
+    """The torch operators called inside the block, by name, as torch dispatches them."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_host_copy_takes_one_copy_call_for_each_dtype_and_keeps_each_tensors_layout():
+    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    grid = torch.arange(12.).view(3, 4)
+    state = {'conv': conv, 'step': torch.tensor(7), 'steps': torch.arange(5), 'scalar': torch.tensor(0.5),
+             'gappy': grid[:, ::2], 'transposed': grid.t(), 'empty': torch.zeros(0, 3)}
+    with CountedOps() as ops:
+        queued = QueuedHostCopy(state)
+    copy = queued.result()
+    assert ops.calls['_foreach_copy_'] == 2, ops.calls  # float32 and int64: one call each
+    # alone: the view with gaps, and the transposed grid, whose order is none of torch's memory formats
+    assert ops.calls['_to_copy'] == 2 and ops.calls['copy_'] == 0, ops.calls
+    for name in ('step', 'steps', 'scalar', 'gappy', 'transposed', 'empty'):
+        mine, theirs = copy[name], state[name]
+        assert torch.equal(mine, theirs) and mine.dtype == theirs.dtype, name
+        assert mine.stride() == theirs.stride() or name == 'gappy', name
+        assert mine.untyped_storage().nbytes() == mine.numel() * mine.element_size(), f'{name} shares a buffer'
+    weight = copy['conv'].weight
+    assert type(weight) is nn.Parameter and weight.requires_grad and torch.equal(weight, conv.weight)
+    assert weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous()
 
 
 # -- the writer --------------------------------------------------------------------------------------------------------
