@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""Patch 0016 and the lever host_targets on a GPU: how often the kit's detection loss waits for the GPU, given the
+batch's targets on the GPU (as upstream's scripts give them) or on the host (host_targets=1), and whether both give
+the same numbers, bit for bit.
+
+    python bench/loss_waits.py OUT.json ARGS       (cwd: the kit tree; ARGS are ddp_train_dual.py's, --device 0)
+
+One forward pass of the kit's Trainer on a fixed batch (bench/gpu_step.py), under its autocast; its outputs, detached,
+are the inputs of every loss call below, so that only the targets' device differs. Each way: the loss, its items and
+its gradients with respect to those outputs, twice (a difference between the two calls of one way is the GPU's own
+nondeterminism, which would make a comparison of the ways meaningless), and the synchronising calls of one loss call
+(torch.cuda.set_sync_debug_mode: each is a wait of the host for the GPU). Writes the counts and the comparisons.
+"""
+import hashlib
+import json
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path.cwd()
+sys.path.insert(0, str(ROOT))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.gpu_step import TASK, fixed_batch  # noqa: E402
+from yolov9_ddp import cli, comm  # noqa: E402
+
+
+def leaves(outputs):
+    """The model's outputs (nested lists of tensors) as detached leaves that collect their gradients."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.detach().requires_grad_()
+    return type(outputs)(leaves(x) for x in outputs)
+
+
+def flat(outputs) -> list:
+    return [outputs] if isinstance(outputs, torch.Tensor) else [t for x in outputs for t in flat(x)]
+
+
+def one_loss(trainer, outputs, targets) -> tuple:
+    """(the loss, its items and its gradients as one hash; the synchronising calls it made)."""
+    inputs = leaves(outputs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        torch.cuda.set_sync_debug_mode('warn')
+        with torch.amp.autocast('cuda', enabled=trainer.amp):
+            loss, items = trainer.compute_loss(inputs, targets)
+        torch.cuda.set_sync_debug_mode('default')
+    loss.backward()
+    grads = hashlib.sha256(b''.join(t.grad.float().cpu().numpy().tobytes() for t in flat(inputs) if t.grad is not None))
+    waits = sum('synchronizing' in str(w.message) for w in caught)
+    return (loss.item(), items.tolist(), grads.hexdigest()), waits
+
+
+def main():
+    out, argv = Path(sys.argv[1]), sys.argv[2:]
+    opt = cli.parse_args(argv, ROOT, TASK)
+    device = comm.select_device(opt.device)
+    if device.type != 'cuda':
+        raise SystemExit('loss_waits.py: counts the waits for a GPU; give --device 0')
+    from yolov9_ddp.trainer import plan_start, prepare_trainer
+    with comm.process_group(device):
+        trainer = prepare_trainer(TASK, opt, device, plan_start(opt))
+        images, targets = fixed_batch(trainer.dataset, 0, trainer.batch_size, opt.seed)
+        images = images.to(device).float() / 255
+        trainer.model.train()
+        with torch.no_grad(), torch.amp.autocast('cuda', enabled=trainer.amp):
+            outputs = trainer.raw_model(images)
+        ways = {'gpu_targets': lambda: targets.to(device), 'host_targets': lambda: targets.pin_memory()}
+        result = {}
+        for way, made in ways.items():
+            (first, waits), (again, _) = one_loss(trainer, outputs, made()), one_loss(trainer, outputs, made())
+            result[way] = {'waits_a_loss_call': waits, 'numbers': first, 'repeatable': first == again}
+        result['same_numbers'] = result['gpu_targets']['numbers'] == result['host_targets']['numbers']
+        result['targets'] = int(targets.shape[0])
+        out.write_text(json.dumps(result, indent=1) + '\n')
+        print(json.dumps({way: {k: v for k, v in r.items() if k != 'numbers'} if isinstance(r, dict) else r
+                          for way, r in result.items()}))
+
+
+if __name__ == '__main__':
+    main()
