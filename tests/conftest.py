@@ -12,7 +12,7 @@ KIT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(KIT))  # the kit's packages (patchkit, yolov9_ddp) and testsupport
 
 from patchkit.pin import read_pin  # noqa: E402
-from testsupport.cores import cores_for, sharing_modules_first  # noqa: E402
+from testsupport.cores import cores_for, make_lock_folder, remove_lock_folder, sharing_modules_first  # noqa: E402
 from testsupport.trees import (DEMO_SPEC, PATCHES, SERIES, TINY_CFG, copy_tree, describe, git_apply,
                                offline_environment, patch_files, pinned_upstream_root,
                                run_applier, snapshot)
@@ -119,6 +119,16 @@ def tree_without(pinned_upstream, tmp_path_factory):
 
 
 # -- two workers on two cores (pytest -n 2, as run-tests.sh runs the suite) -----------------------------------
+
+def pytest_configure(config):
+    if 'PYTEST_XDIST_WORKER' not in os.environ:  # the controller (or a run without workers): not a worker
+        make_lock_folder()
+
+
+def pytest_unconfigure(config):
+    if 'PYTEST_XDIST_WORKER' not in os.environ:
+        remove_lock_folder()
+
 
 def pytest_collection_modifyitems(items):
     items[:] = sharing_modules_first(items)  # testsupport/cores.py

@@ -8,6 +8,7 @@ import collections
 import contextlib
 import fcntl
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -15,11 +16,20 @@ SLOW_WEIGHT = 10  # a slow test took 4 s or more, most fast ones well under 1 s
 SHARE = 'YOLOV9_TEST_CORES'  # 'machine' or 'shared': what the running test holds (jobs.torchrun_cmd checks it)
 
 
+FOLDER = 'YOLOV9_TEST_LOCKS'  # the lock folder of a run: made by its controller, inherited by its workers
+
+
+def make_lock_folder():
+    """The controller's, before its workers start (pytest_configure); remove_lock_folder() at the run's end."""
+    os.environ.setdefault(FOLDER, tempfile.mkdtemp(prefix='yolov9-ddp-cores-'))
+
+
+def remove_lock_folder():
+    shutil.rmtree(os.environ.pop(FOLDER), ignore_errors=True)
+
+
 def lock_folder() -> Path:
-    run = os.environ.get('PYTEST_XDIST_TESTRUNUID', 'solo')
-    folder = Path(tempfile.gettempdir()) / f'yolov9-ddp-cores-{run}'
-    folder.mkdir(exist_ok=True)
-    return folder
+    return Path(os.environ[FOLDER])
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ import locale
 import os
 import select
 import selectors
+import shutil
 import signal
 import socket
 import struct
@@ -67,6 +68,7 @@ def zygote(env: dict):
                                    stdout=subprocess.PIPE)
         ready = process.stdout.readline()
         assert ready.startswith(b'{'), f'the zygote did not start: {ready!r}'
+        atexit.register(shutil.rmtree, path.parent, True)  # after the kill: atexit runs the last registered first
         atexit.register(process.kill)
         _started[key] = started = {'process': process, 'socket': str(path), **json.loads(ready)}
     return started
