@@ -123,7 +123,8 @@ def main():
             for i in range(args.steps):
                 step(i)
                 if with_checkpoints and (i + 1) % args.every == 0:
-                    taken += writer.submit(trainer.queue_host_checkpoint(where), folder / 'last.pt', f'step {i}')
+                    taken += writer.submit(lambda: trainer.queue_host_checkpoint(where), folder / 'last.pt',
+                                           f'step {i}')
             synchronize()
             seconds = time.perf_counter() - started
             writer.wait()

@@ -5,8 +5,8 @@ CheckpointWriter completes and writes it off the training thread (yolov9_ddp.che
     thread goes on changing (modules, optimizer state, nested containers)
   - the training thread copies the tensors of each dtype with one call; each copy keeps its tensor's memory layout
     and owns its storage
-  - one write at a time: a write still running makes the next one skipped, with one line, and submit() returns at
-    once; wait() ends the write under way
+  - one write at a time: a write still running makes the next one skipped (its copy not even queued), with one
+    line, and submit() returns at once; wait() ends the write under way
   - the replaced last.pt stays as last.previous.pt
   - a write that fails says so in one line and leaves the checkpoints before it intact; the next write works
   - a write under way when the process exits completes
@@ -120,8 +120,8 @@ def test_a_host_copy_takes_one_copy_call_for_each_dtype_and_keeps_each_tensors_l
 # -- the writer --------------------------------------------------------------------------------------------------------
 
 def state_of(epoch: int):
-    """What submit() takes: the function that makes the checkpoint in the writer's thread."""
-    return lambda: {'epoch': epoch}
+    """What submit() takes: the training thread's half of a checkpoint, which returns the writer's."""
+    return lambda: lambda: {'epoch': epoch}
 
 
 def epoch_of(path) -> int:
@@ -173,7 +173,7 @@ def test_a_write_still_running_makes_the_next_one_skipped_with_one_line(tmp_path
     last, lines = tmp_path / 'last.pt', []
     writer = CheckpointWriter(lines.append)
     assert writer.submit(state_of(1), last, 'checkpoint at step 10')  # returns while the write blocks
-    assert not writer.submit(state_of(2), last, 'checkpoint at step 20')
+    assert not writer.submit(lambda: pytest.fail('a skipped checkpoint was queued'), last, 'checkpoint at step 20')
     assert len(lines) == 1 and SKIPPED.match(lines[0]), lines
     assert writer.running and not last.exists()
     slow_disk.set()
@@ -215,7 +215,7 @@ from yolov9_ddp import checkpoint
 real_save = torch.save
 checkpoint.torch.save = lambda obj, f: (time.sleep(0.5), real_save(obj, f))
 writer = checkpoint.CheckpointWriter(print)
-writer.submit(lambda: {'epoch': 5}, sys.argv[1], 'checkpoint at step 50')
+writer.submit(lambda: lambda: {'epoch': 5}, sys.argv[1], 'checkpoint at step 50')
 sys.exit(1)  # a failing rank: no wait(), no close()
 '''
 

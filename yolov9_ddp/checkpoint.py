@@ -244,15 +244,17 @@ class CheckpointWriter:
     def running(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
 
-    def submit(self, make, path: Path, name: str, then=None) -> bool:
-        """Start writing the checkpoint that make() returns, in the writer's thread (the completion of a
-        QueuedHostCopy, which nothing else changes), to path, unless the previous write still runs: then skip it
-        with one line; name says which checkpoint this is ('checkpoint at step 1200'). then(): run in the writer's
-        thread once the file is in place (the run's record of its checkpoints)."""
+    def submit(self, queue, path: Path, name: str, then=None) -> bool:
+        """Write a checkpoint to path, unless the previous write still runs: then skip it with one line, and queue()
+        is not called; name says which checkpoint this is ('checkpoint at step 1200'). queue(): the training thread's
+        half of the checkpoint, called here (a QueuedHostCopy, which nothing else changes); it returns the function
+        that completes the checkpoint in the writer's thread. then(): run in the writer's thread once the file is in
+        place (the run's record of its checkpoints)."""
         if self.running:
             self.log(f'{name} skipped: the previous write ({time.monotonic() - self.started:.1f} s so far) is still '
                      f'running')
             return False
+        make = queue()
         self.started = time.monotonic()
         self.thread = threading.Thread(target=self.write, args=(make, Path(path), name, then),
                                        name='checkpoint-writer')
