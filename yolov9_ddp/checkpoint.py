@@ -133,10 +133,12 @@ class QueuedHostCopy:
         self.copies, self.landed = queue_host_copies(pickler.tensors)
 
     def result(self):
+        """The copy, once: its page-locked buffers go back to torch's cache as it returns, before the write."""
         if self.landed is not None:
             self.landed.synchronize()  # every queued copy has landed before anything reads the host copies
+        copies, self.copies = self.copies, None
         tensors = [own_tensor(copy, parameter, requires_grad)
-                   for copy, (parameter, requires_grad) in zip(self.copies, self.kinds)]
+                   for copy, (parameter, requires_grad) in zip(copies, self.kinds)]
         return TensorsBack(io.BytesIO(self.pickled), tensors).load()
 
 
