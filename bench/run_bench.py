@@ -628,10 +628,26 @@ def launcher(gpus: int) -> list:
 def machine(cuda: bool) -> dict:
     import torch
     info = {'python': platform.python_version(), 'torch': torch.__version__, 'cpus': os.cpu_count(),
-            'host': platform.node()}
+            'host': platform.node(), 'cpu': cpu_topology()}
     if cuda:
         info['gpus'] = subprocess.run(['nvidia-smi', '-L'], capture_output=True, text=True).stdout.strip().splitlines()
     return info
+
+
+def cpu_topology(cpu0=Path('/sys/devices/system/cpu/cpu0'), cpuinfo=Path('/proc/cpuinfo')) -> dict:
+    """The CPUs as Linux shows them: whether the training thread can share a core (its hyperthread) or the last-level
+    cache with loader workers (issue 23: the loop trails its GPU-only step by its CPU side, at one GPU clock)."""
+    def read(path: Path):
+        try:
+            return path.read_text().strip()
+        except OSError:
+            return None
+    models = [line.split(':', 1)[1].strip() for line in (read(cpuinfo) or '').splitlines()
+              if line.startswith('model name')]
+    return {'model': models[0] if models else None,
+            'cpu0_shares_its_core_with': read(cpu0 / 'topology/thread_siblings_list'),
+            'cpu0_shares_its_l3_with': read(cpu0 / 'cache/index3/shared_cpu_list'),
+            'l3': read(cpu0 / 'cache/index3/size')}
 
 
 class GpuSampler:

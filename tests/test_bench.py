@@ -150,3 +150,14 @@ def test_a_dry_run_call_runs_end_to_end_and_records_every_target_key(pinned_upst
     memory = record['pairs']['ram_cache_2ranks_vs_1rank']
     assert not memory['complete'], 'one pair is not the three a target needs'
     assert [p['cache_memory']['cache_files'] for p in (memory['pairs'][0]['a'], memory['pairs'][0]['b'])] == [1, 1]
+
+
+def test_each_call_records_how_the_cpus_share_cores_and_caches(tmp_path):
+    cpu0 = tmp_path / 'cpu0'
+    (cpu0 / 'topology').mkdir(parents=True)
+    (cpu0 / 'topology/thread_siblings_list').write_text('0,8\n')
+    (tmp_path / 'cpuinfo').write_text('processor\t: 0\nmodel name\t: AMD EPYC 9654\n\nprocessor\t: 1\n')
+    assert run_bench.cpu_topology(cpu0, tmp_path / 'cpuinfo') == {
+        'model': 'AMD EPYC 9654', 'cpu0_shares_its_core_with': '0,8', 'cpu0_shares_its_l3_with': None, 'l3': None}
+    assert set(run_bench.machine(False)['cpu']) == {'model', 'cpu0_shares_its_core_with', 'cpu0_shares_its_l3_with',
+                                                    'l3'}
