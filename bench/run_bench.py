@@ -559,16 +559,18 @@ class Bench:
 
     def lever(self):
         """One lever against the defaults, end to end (2048 images); --deterministic: both runs with it, the
-        series keyed '... (--deterministic)' (a lever of the deterministic step)."""
+        series keyed '... (--deterministic)' (a lever of the deterministic step). A lever given as options
+        ('--workers 6') is those options of the kit's command line (lever_args)."""
         data, n, images, lever = self.dataset('lever'), self.n, self.size['lever'].train, self.args.lever
         base, suffix = (['--deterministic'], ' (--deterministic)') if self.args.deterministic else ([], '')
+        asked, tag = lever_args(lever), re.sub(r'[^\w.]+', '-', lever).strip('-')
 
         def run(extra, tag):
             return lambda i: self.train(f'lever-{tag}-{i}', self.train_cmd(
                 self.kit, n, data, f'lever-{tag}-{i}', extra=['--noval', *base, *extra]), self.kit, images)
-        self.rounds({'defaults': run([], 'defaults'), lever: run(['--levers', lever], lever.replace('=', '-'))}, {
+        self.rounds({'defaults': run([], 'defaults'), lever: run(asked, tag)}, {
             f'lever {lever}{suffix}': ('defaults', lever, lambda a, b: ratio(b, a, 'img_per_s'),
-                                       f'kit img/s with --levers {lever} / with the defaults{suffix}, N GPUs '
+                                       f'kit img/s with {" ".join(asked)} / with the defaults{suffix}, N GPUs '
                                        '(second epoch)')})
 
 
@@ -608,6 +610,12 @@ def repeated(data_yaml: str, copies: int) -> str:
         (folder / 'data.yaml').write_text(re.sub(r'^path: .*$', f'path: {root.resolve()}',
                                                  Path(data_yaml).read_text(), flags=re.M))
     return str(generated_dataset(root, Repeated(str(data_yaml), copies), 'repeated.json', 'a repeated dataset', write))
+
+
+def lever_args(lever: str) -> list:
+    """The kit's options for the lever call's --lever: '--levers L' for a lever L, or options as given ('--workers 6':
+    later on the command line than the harness's own, so they win)."""
+    return lever.split() if lever.startswith('--') else ['--levers', lever]
 
 
 def kit_levers(lever: str):
@@ -787,6 +795,9 @@ def refuse_unread_options(parser, args):
     for dest, default in OPTION_DEFAULTS.items():
         if getattr(args, dest) is None:
             setattr(args, dest, default)
+    if args.lever.startswith('--') and args.call != 'lever':
+        parser.error(f'--lever {args.lever}: options stand for a lever in the lever call only; {args.call} takes '
+                     'one of the kit\'s --levers')
 
 
 def main():
@@ -799,7 +810,8 @@ def main():
     p.add_argument('--dry-run', action='store_true', help='CPUs and gloo, tiny sizes: proves the harness')
     p.add_argument('--quick', action='store_true',
                    help='entry-points: 64 + 32 images at 160 px, one epoch each: that each trains, not how fast')
-    p.add_argument('--lever', help="the 'lever' and 'loop-lever' calls' --levers (default: channels_last=1)")
+    p.add_argument('--lever', help="the 'lever' and 'loop-lever' calls' --levers (default: channels_last=1); the "
+                   "lever call also takes the kit's options in one argument: --lever '--workers 6'")
     p.add_argument('--end-to-end', action='store_true', help="loop-lever: the kit with the lever too")
     p.add_argument('--deterministic', action='store_true', help='lever: both runs with --deterministic')
     p.add_argument('--kit-levers', default='',

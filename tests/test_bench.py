@@ -74,6 +74,10 @@ def test_an_option_the_call_does_not_read_is_refused_in_one_line(monkeypatch, ca
     assert main('per-gpu', '--quick')[1].endswith('(only entry-points)')
     assert 'does not read it' in main('lever', '--kit-levers', 'channels_last=1')[1]
     assert main('per-gpu-det', '--deterministic')[1].endswith('(only lever)')
+    assert main('loop-lever', '--lever', '--workers 6')[1].endswith(
+        "options stand for a lever in the lever call only; loop-lever takes one of the kit's --levers")
+    assert run_bench.lever_args('--workers 6') == ['--workers', '6']
+    assert run_bench.lever_args('channels_last=1') == ['--levers', 'channels_last=1']
     given = run_bench.argparse.Namespace(call='lever', kit_levers='', lever=None, end_to_end=False,
                                          checkpoint_minutes=None, quick=False, window_s=None,
                                          deterministic=False)
