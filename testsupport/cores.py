@@ -17,15 +17,21 @@ SHARE = 'YOLOV9_TEST_CORES'  # 'machine' or 'shared': what the running test hold
 
 
 FOLDER = 'YOLOV9_TEST_LOCKS'  # the lock folder of a run: made by its controller, inherited by its workers
+made = []  # the lock folder this process made
 
 
 def make_lock_folder():
-    """The controller's, before its workers start (pytest_configure); remove_lock_folder() at the run's end."""
-    os.environ.setdefault(FOLDER, tempfile.mkdtemp(prefix='yolov9-ddp-cores-'))
+    """The controller's, before its workers start (pytest_configure), unless a run around it made one already;
+    remove_lock_folder() at the run's end removes the one it made."""
+    if FOLDER not in os.environ:
+        os.environ[FOLDER] = tempfile.mkdtemp(prefix='yolov9-ddp-cores-')
+        made.append(os.environ[FOLDER])
 
 
 def remove_lock_folder():
-    shutil.rmtree(os.environ.pop(FOLDER), ignore_errors=True)
+    while made:
+        shutil.rmtree(made.pop(), ignore_errors=True)
+        del os.environ[FOLDER]
 
 
 def lock_folder() -> Path:
