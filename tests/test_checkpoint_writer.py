@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from testsupport.trees import KIT
 from yolov9_ddp import checkpoint
-from yolov9_ddp.checkpoint import CheckpointWriter, QueuedHostCopy, host_copy, previous_path
+from yolov9_ddp.checkpoint import CheckpointWriter, QueuedHostCopy, previous_path
 
 pytestmark = pytest.mark.timeout(60)
 SKIPPED = re.compile(r'^checkpoint at step 20 skipped: the previous write \(\d+\.\d s so far\) is still running$')
@@ -72,7 +72,7 @@ def test_a_host_copy_is_the_state_when_it_was_queued_and_shares_nothing_with_it(
 
 def test_a_host_copy_keeps_the_modules_and_their_parameters():
     state, _ = training_state()
-    copy = host_copy(state)
+    copy = QueuedHostCopy(state).result()
     for key in ('model', 'ema'):
         assert type(copy[key]) is nn.Sequential and copy[key] is not state[key]
         assert copy[key].training == state[key].training
@@ -80,7 +80,8 @@ def test_a_host_copy_keeps_the_modules_and_their_parameters():
             assert type(mine) is nn.Parameter and mine.requires_grad == theirs.requires_grad and mine.grad is None
             assert mine.device.type == 'cpu' and torch.equal(mine, theirs)
     assert copy['position']['rng'][1][0].is_leaf and isinstance(copy['position']['rng'][1], tuple)
-    twice = host_copy({'model': state['model'], 'again': state['model'], 'tensor': [state['position']['rng'][0]] * 2})
+    twice = QueuedHostCopy({'model': state['model'], 'again': state['model'],
+                            'tensor': [state['position']['rng'][0]] * 2}).result()
     assert twice['again'] is twice['model'] and twice['tensor'][0] is twice['tensor'][1]  # held twice, copied once
 
 

@@ -106,15 +106,11 @@ def remove_stale_temporaries(folder: Path):
         tmp.unlink(missing_ok=True)
 
 
-def host_copy(obj):
-    """A copy of a checkpoint whose tensors are detached copies in host memory, sharing nothing with obj: the training
-    thread goes on changing its own (the next optimizer step, the EMA) while a background thread writes this one."""
-    return QueuedHostCopy(obj).result()
-
-
 class QueuedHostCopy:
-    """host_copy() in two halves, so that the training thread never waits for the GPU: made on the training thread
-    between two steps, result() wherever the copy is needed (CheckpointWriter's thread).
+    """A copy of a checkpoint whose tensors are detached copies in host memory, sharing nothing with obj: the training
+    thread goes on changing its own (the next optimizer step, the EMA) while a background thread writes this one. In
+    two halves, so that the training thread never waits for the GPU: made on the training thread between two steps,
+    result() wherever the copy is needed (CheckpointWriter's thread).
 
     obj is pickled in memory as torch.save would write it (modules, optimizer state, nested containers), with every
     tensor set aside and its copy to the host queued on the GPU's stream (queue_host_copies), behind the step that
