@@ -353,7 +353,7 @@ class Bench:
                         *self.train_cmd(self.kit, n, data, name)[len(launcher(n)) + 1:], *extra]
                 return self.job(name, args, n, self.kit)
             return run
-        tag, asked = lever.replace('=', '-'), ['--levers', lever]
+        tag, asked = lever_tag(lever), lever_args(lever)
         runs = {'kit': kit([], 'kit-l'), 'gpu-only': gpu_only([], 'defaults'),
                 f'gpu-only {lever}': gpu_only(asked, tag)}
         pairs = {
@@ -563,7 +563,7 @@ class Bench:
         ('--workers 6') is those options of the kit's command line (lever_args)."""
         data, n, images, lever = self.dataset('lever'), self.n, self.size['lever'].train, self.args.lever
         base, suffix = (['--deterministic'], ' (--deterministic)') if self.args.deterministic else ([], '')
-        asked, tag = lever_args(lever), re.sub(r'[^\w.]+', '-', lever).strip('-')
+        asked, tag = lever_args(lever), lever_tag(lever)
 
         def run(extra, tag):
             return lambda i: self.train(f'lever-{tag}-{i}', self.train_cmd(
@@ -616,6 +616,11 @@ def lever_args(lever: str) -> list:
     """The kit's options for the lever call's --lever: '--levers L' for a lever L, or options as given ('--workers 6':
     later on the command line than the harness's own, so they win)."""
     return lever.split() if lever.startswith('--') else ['--levers', lever]
+
+
+def lever_tag(lever: str) -> str:
+    """The lever in its runs' names: 'channels_last=1' -> 'channels_last-1', '--workers 6' -> 'workers-6'."""
+    return re.sub(r'[^\w.,]+', '-', lever).strip('-')
 
 
 def kit_levers(lever: str):

@@ -78,6 +78,8 @@ def test_an_option_the_call_does_not_read_is_refused_in_one_line(monkeypatch, ca
         "options stand for a lever in the lever call only; loop-lever takes one of the kit's --levers")
     assert run_bench.lever_args('--workers 6') == ['--workers', '6']
     assert run_bench.lever_args('channels_last=1') == ['--levers', 'channels_last=1']
+    tags = [run_bench.lever_tag(lever) for lever in ('channels_last=1', 'cuda_graphs=0,channels_last=0', '--workers 6')]
+    assert tags == ['channels_last-1', 'cuda_graphs-0,channels_last-0', 'workers-6']
     given = run_bench.argparse.Namespace(call='lever', kit_levers='', lever=None, end_to_end=False,
                                          checkpoint_minutes=None, quick=False, window_s=None,
                                          deterministic=False)
