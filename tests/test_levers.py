@@ -297,11 +297,11 @@ def test_a_recorded_lever_this_kit_no_longer_has_is_ignored_with_a_warning():
     assert said == ["the run recorded the lever 'warp_drive', which this kit does not have: ignored"]
 
 
-def final_weights(tree, data, project, fill_uninitialized: bool) -> dict:
+def final_weights(tree, data, project, fill_uninitialized: bool, host_targets: bool) -> dict:
     """The model and EMA tensors after one epoch of a 1-process run on the CPU (weights/epoch0.pt, unstripped)."""
     result = run([sys.executable, 'ddp_train_dual.py', *map(str, train_args(
         data, project, 1, 4, 64, '--workers', 1, '--save-period', 1, '--deterministic',
-        '--levers', f'fill_uninitialized={int(fill_uninitialized)},host_targets={int(fill_uninitialized)}'))], tree)
+        '--levers', f'fill_uninitialized={int(fill_uninitialized)},host_targets={int(host_targets)}'))], tree)
     assert result.returncode == 0, describe_result(result)
     said = result.stdout + result.stderr
     assert '--deterministic: levers cudnn_benchmark=0, fused_optimizer=0' in said
@@ -320,7 +320,8 @@ def test_two_deterministic_runs_one_with_torchs_fill_of_new_tensors_end_with_bit
     (levers.use_deterministic_algorithms): a read of memory never written would differ between them, or be NaN.
     It also gives the loss the loader's targets (host_targets=1), which its patched loss pads where they are."""
     with ThreadPoolExecutor(2) as pool:  # side by side: the test holds both cores
-        first, again = pool.map(lambda fill: final_weights(patched_tree, demo_data, tmp_path / str(fill), fill),
+        first, again = pool.map(lambda second: final_weights(patched_tree, demo_data, tmp_path / str(second),
+                                                             fill_uninitialized=second, host_targets=second),
                                 (False, True))
     assert first.keys() == again.keys()
     for name, tensor in first.items():
