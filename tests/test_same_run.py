@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from testsupport.faults import (Job, children_of, completed_run_problems, differences, final_state, node_cmd,
+from testsupport.faults import (FAULTY, Job, children_of, completed_run_problems, differences, final_state, node_cmd,
                                refusal_problems, results_epochs, start_job, weights_snapshot)
 from testsupport.jobs import NEW_INTERPRETERS, free_port, torchrun_cmd, train_args
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
@@ -44,9 +44,10 @@ def args(data, project, *extra, batch=BATCH, cfg=None):
                       **models)
 
 
-def launch(tree, workdir, name, nproc, script_args, max_restarts=0, script='ddp_train_dual.py', **env) -> Job:
+def launch(tree, workdir, name, nproc, script_args, max_restarts=0, script='ddp_train_dual.py', fault='',
+           **env) -> Job:
     cmd = torchrun_cmd(nproc, '--max-restarts', max_restarts, script, *script_args)
-    return start_job(cmd, tree, workdir, name, **env)
+    return start_job(cmd, tree, workdir, name, fault, **env)
 
 
 def finished(job: Job) -> str:
@@ -71,9 +72,24 @@ def when_saved(job: Job, run_dir: Path, at_least: list, act):
     act()
 
 
-def stopped(job: Job, run_dir: Path, at_least: list) -> str:
-    """SIGTERM to torchrun once the run is past at_least; it must stop with a resumable checkpoint."""
-    when_saved(job, run_dir, at_least, lambda: os.kill(job.proc.pid, signal.SIGTERM))
+def held(epoch: int, step: int, nproc=2) -> str:
+    """The FAULT (faulty_train.py) that holds every rank before training step `step` of `epoch` until it is asked to
+    stop: the stop then comes after that step, wherever the run was when a checkpoint was last recorded (a SIGTERM
+    sent once run.json showed a step came 1 to 4 steps later on a loaded machine, and the next start then saw the
+    last one's position and was signalled before it had begun)."""
+    return ';'.join(f'hold:rank={rank}:where=step:epoch={epoch}:step={step}:sleep={DEADLINE_S}'
+                    for rank in range(nproc))
+
+
+def stopped(job: Job, nproc=2) -> str:
+    """SIGTERM to torchrun once every rank holds (a job started with FAULT=held(...)); it must stop with a resumable
+    checkpoint."""
+    deadline = time.monotonic() + DEADLINE_S
+    while len(job.events('fired')) < nproc:
+        assert job.proc.poll() is None, f'the job ended before its ranks held:\n{job.output()[-4000:]}'
+        assert time.monotonic() < deadline, f'its ranks did not hold within {DEADLINE_S} s'
+        time.sleep(0.1)
+    os.kill(job.proc.pid, signal.SIGTERM)
     job.wait(DEADLINE_S)
     assert 'resumable checkpoint written to' in job.output(), job.output()[-4000:]
     return job.output()
@@ -93,14 +109,14 @@ def reference(patched_tree, data, tmp_path_factory):
 def test_a_run_stopped_three_times_mid_epoch_ends_bit_identical(patched_tree, data, reference, tmp_path):
     project, resumes = tmp_path / 'runs', []
     run_dir = project / 'exp'
-    job = launch(patched_tree, tmp_path, 'start', 2, args(data, project, '--save-on-signal', '--checkpoint-steps', 1))
-    stopped(job, run_dir, [0, 1])
-    for n, at_least in enumerate(([0, 4], [1, 2], None)):
+    stopped(launch(patched_tree, tmp_path, 'start', 2, args(data, project, '--save-on-signal', '--checkpoint-steps', 1),
+                   script=FAULTY, fault=held(0, 1)))
+    for n, hold in enumerate(((0, 3), (1, 2), None)):
         resume = ['--resume', run_dir / 'weights' / 'last.pt', '--checkpoint-steps', 1]
-        job = launch(patched_tree, tmp_path, f'resume{n}', 2, resume)
-        output = stopped(job, run_dir, at_least) if at_least else finished(job)
+        job = launch(patched_tree, tmp_path, f'resume{n}', 2, resume, script=FAULTY, fault=held(*hold) if hold else '')
+        output = stopped(job) if hold else finished(job)
         resumes += resumed_at(output)
-    assert len(resumes) == 3 and any(0 < step < 5 for _, step in resumes), resumes  # inside an epoch
+    assert resumes == [(0, 2), (0, 4), (1, 3)]  # each after the step its ranks held at, inside an epoch
     assert differences(final_state(run_dir, EPOCHS), reference) == []
 
 
@@ -180,9 +196,8 @@ def test_a_run_continues_on_3_processes_and_on_2_again_training_every_image_once
     run_dir, last = project / 'exp', project / 'exp' / 'weights' / 'last.pt'
     common = dict(script=str(RECORDING), RECORD_DIR=records)
     rect = [order] if order == '--rect' else []
-    job = launch(patched_tree, tmp_path, 'two', 2, args(data, project, '--save-on-signal', '--checkpoint-steps', 1,
-                                                        *rect, batch=12), **common)
-    stopped(job, run_dir, [0, 1])
+    stopped(launch(patched_tree, tmp_path, 'two', 2, args(data, project, '--save-on-signal', '--checkpoint-steps', 1,
+                                                           *rect, batch=12), fault=held(0, 1), **common))
 
     before, rows, options = weights_snapshot(run_dir), results_epochs(run_dir), (run_dir / 'opt.yaml').read_text()
     five = launch(patched_tree, tmp_path, 'five', 5, ['--resume', last])
@@ -191,7 +206,7 @@ def test_a_run_continues_on_3_processes_and_on_2_again_training_every_image_once
                                 'it can over 1, 2, 3, 4, 6 or 12'), five.output()[-4000:]
     assert (run_dir / 'opt.yaml').read_text() == options
 
-    three = stopped(launch(patched_tree, tmp_path, 'three', 3, ['--resume', last], **common), run_dir, [1, 1])
+    three = stopped(launch(patched_tree, tmp_path, 'three', 3, ['--resume', last], fault=held(1, 1, 3), **common), 3)
     two = finished(launch(patched_tree, tmp_path, 'two-again', 2, ['--resume', last], **common))
     assert '3 process(es), batch 12 (4 per process)' in three, three[-4000:]
     assert three.count('the run continues on 3 process(es) instead of 2: BatchNorm statistics now come from 4 images '

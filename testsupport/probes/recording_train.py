@@ -1,8 +1,8 @@
-"""ddp_train_dual.py, recording the samples each rank trains: the key (epoch, index) of every training sample
-loaded and the image upstream's dataset loads for it (its `indices`: --image-weights' draw, else the index itself),
-one line each, `epoch index image`, appended to $RECORD_DIR/rank{RANK}-{pid}.txt. With --workers 0 a sample is
-loaded in the training process when its batch is next, so what is loaded is what is trained: a stop comes after a
-step.
+"""ddp_train_dual.py (through faulty_train.py: its FAULT applies too), recording the samples each rank trains: the
+key (epoch, index) of every training sample loaded and the image upstream's dataset loads for it (its `indices`:
+--image-weights' draw, else the index itself), one line each, `epoch index image`, appended to
+$RECORD_DIR/rank{RANK}-{pid}.txt. With --workers 0 a sample is loaded in the training process when its batch is
+next, so what is loaded is what is trained: a stop comes after a step.
 
     RECORD_DIR=/tmp/rec torchrun ... testsupport/probes/recording_train.py TRAIN_ARGS...   (in the patched tree)
 """
@@ -26,5 +26,5 @@ def recording(self, key):
 
 
 stream.SeededSamples.__getitem__ = recording
-sys.argv = ['ddp_train_dual.py', *sys.argv[1:]]
-runpy.run_path('ddp_train_dual.py', run_name='__main__')
+sys.argv = [str(Path(__file__).with_name('faulty_train.py')), *sys.argv[1:]]
+runpy.run_path(sys.argv[0], run_name='__main__')
