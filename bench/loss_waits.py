@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Patch 0016 and the lever host_targets on a GPU: how often the kit's detection loss waits for the GPU, given the
-batch's targets on the GPU (as upstream's scripts give them) or on the host (host_targets=1), and whether both give
-the same numbers, bit for bit.
+"""Patches 0016 and 0017 and the levers host_targets and dense_box_loss on a GPU: how often the kit's detection loss
+waits for the GPU, given the batch's targets on the GPU (as upstream's scripts give them) or on the host
+(host_targets=1), and with its box losses over every anchor too (dense_box_loss=1); whether the first two give the
+same numbers, bit for bit, and how far the third's are from them.
 
     python bench/loss_waits.py OUT.json ARGS       (cwd: the kit tree; ARGS are ddp_train_dual.py's, --device 0)
 
@@ -15,6 +16,7 @@ import hashlib
 import json
 import sys
 import warnings
+from importlib import import_module
 from pathlib import Path
 
 ROOT = Path.cwd()
@@ -24,7 +26,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.gpu_step import TASK, fixed_batch  # noqa: E402
-from yolov9_ddp import cli, comm  # noqa: E402
+from yolov9_ddp import boxloss, cli, comm  # noqa: E402
 
 
 def leaves(outputs):
@@ -38,14 +40,14 @@ def flat(outputs) -> list:
     return [outputs] if isinstance(outputs, torch.Tensor) else [t for x in outputs for t in flat(x)]
 
 
-def one_loss(trainer, outputs, targets) -> tuple:
+def one_loss(trainer, compute_loss, outputs, targets) -> tuple:
     """(the loss, its items and its gradients as one hash; the synchronising calls it made)."""
     inputs = leaves(outputs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         torch.cuda.set_sync_debug_mode('warn')
         with torch.amp.autocast('cuda', enabled=trainer.amp):
-            loss, items = trainer.compute_loss(inputs, targets)
+            loss, items = compute_loss(inputs, targets)
         torch.cuda.set_sync_debug_mode('default')
     loss.backward()
     grads = hashlib.sha256(b''.join(t.grad.float().cpu().numpy().tobytes() for t in flat(inputs) if t.grad is not None))
@@ -67,12 +69,19 @@ def main():
         trainer.model.train()
         with torch.no_grad(), torch.amp.autocast('cuda', enabled=trainer.amp):
             outputs = trainer.raw_model(images)
-        ways = {'gpu_targets': lambda: targets.to(device), 'host_targets': lambda: targets.pin_memory()}
+        dense = boxloss.weigh_every_anchor(import_module(TASK.loss_module).ComputeLoss(trainer.raw_model))
+        ways = {'gpu_targets': (trainer.compute_loss, lambda: targets.to(device)),
+                'host_targets': (trainer.compute_loss, lambda: targets.pin_memory()),
+                'dense_box_loss': (dense, lambda: targets.pin_memory())}
         result = {}
-        for way, made in ways.items():
-            (first, waits), (again, _) = one_loss(trainer, outputs, made()), one_loss(trainer, outputs, made())
+        for way, (compute_loss, made) in ways.items():
+            (first, waits), (again, _) = (one_loss(trainer, compute_loss, outputs, made()) for _ in range(2))
             result[way] = {'waits_a_loss_call': waits, 'numbers': first, 'repeatable': first == again}
         result['same_numbers'] = result['gpu_targets']['numbers'] == result['host_targets']['numbers']
+        (exact, exact_items, _), (dense_value, dense_items, _) = (result[way]['numbers']
+                                                                  for way in ('host_targets', 'dense_box_loss'))
+        result['dense_box_loss_relative_difference'] = max(
+            abs(a - b) / max(abs(a), 1e-12) for a, b in zip([exact, *exact_items], [dense_value, *dense_items]))
         result['targets'] = int(targets.shape[0])
         out.write_text(json.dumps(result, indent=1) + '\n')
         print(json.dumps({way: {k: v for k, v in r.items() if k != 'numbers'} if isinstance(r, dict) else r

@@ -330,8 +330,8 @@ def test_two_deterministic_runs_one_with_torchs_fill_of_new_tensors_end_with_bit
 
 # -- recorded with a real run, kept by its resume ---------------------------------------------------------------
 
-RUN_LEVERS = 'progress_every=3,foreach_ema=0'
-RECORDED = describe(replace(Levers(), progress_every=3, foreach_ema=False))
+RUN_LEVERS = 'progress_every=3,foreach_ema=0,dense_box_loss=1'  # the run trains with the box loss over every anchor
+RECORDED = describe(replace(Levers(), progress_every=3, foreach_ema=False, dense_box_loss=True))
 
 
 @pytest.fixture(scope='module')
@@ -351,7 +351,7 @@ def recorded_levers(run_dir) -> tuple:
 @pytest.mark.parametrize('given, expected, change', [
     ((), RECORDED, None),
     (('--levers', 'progress_every=5', '--channels-last'),
-     describe(replace(Levers(), progress_every=5, foreach_ema=False, channels_last=True)),
+     describe(replace(Levers(), progress_every=5, foreach_ema=False, dense_box_loss=True, channels_last=True)),
      'levers changed on resume: progress_every 3 -> 5, channels_last 0 -> 1')])
 @pytest.mark.slow
 def test_a_resume_trains_with_the_runs_levers_unless_given_again(patched_tree, interrupted_with_levers, tmp_path,

@@ -565,6 +565,9 @@ def loss_of(module, cfg, device):
     model = Model(cfg, ch=3, nc=2)
     model.hyp = HYP
     loss = __import__(module, fromlist=['ComputeLoss']).ComputeLoss(model.to(device))
+    if DENSE:
+        from yolov9_ddp import boxloss
+        boxloss.weigh_every_anchor(loss)
     return model, loss
 
 
@@ -593,7 +596,7 @@ def cpu_numbers(module, cfg, targets):
             'approx': [value.item(), *items.tolist(), grads.sum().item(), grads.square().sum().item()]}
 
 
-cases = json.loads(sys.argv[1])
+cases, DENSE = json.loads(sys.argv[1]), sys.argv[2:] == ['dense']
 print(json.dumps({'numbers': {f'{module} {name}': cpu_numbers(module, cfg, targets)
                               for module, cfg in cases for name, targets in TARGETS.items()},
                   'reads': {module: first_read(module, cfg) for module, cfg in cases}}))
@@ -603,7 +606,7 @@ LOSS_CASES = [['utils.loss_tal', 'tiny.yaml'], ['utils.loss_tal_dual', 'tiny-dua
 
 
 def losses(tree: Path, env: dict, *how) -> dict:
-    """LOSSES_ON_META's findings for the three detection losses in tree."""
+    """LOSSES_ON_META's findings for the three detection losses in tree (how: 'dense', the lever dense_box_loss)."""
     cases = json.dumps([[module, str(Path(TINY_CFG).with_name(cfg))] for module, cfg in LOSS_CASES])
     result = probe(tree, LOSSES_ON_META, env, args=[cases, *how])
     assert result.returncode == 0, describe(result)
@@ -643,3 +646,12 @@ def test_0017_detection_losses_wait_for_the_gpu_only_in_their_box_losses_masked_
     assert without['reads'] == first_reads('assigner.py:get_box_metrics')
     assert patched_losses['reads'] == first_reads('{file}.py:forward')  # BboxLoss's masked_select
     assert exact(without) == exact(patched_losses)  # with boxes apart, sharing anchors, and none
+
+
+@pytest.mark.slow
+def test_the_lever_dense_box_loss_leaves_the_detection_losses_no_wait_and_their_numbers(patched_tree,
+                                                                                       patched_losses, offline_env):
+    dense = losses(patched_tree, offline_env, 'dense')
+    assert dense['reads'] == first_reads('nowhere')
+    for case, numbers in patched_losses['numbers'].items():  # sums in another order: the last bits may differ
+        assert dense['numbers'][case]['approx'] == pytest.approx(numbers['approx'], rel=1e-5, abs=1e-9), case

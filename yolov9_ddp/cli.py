@@ -128,7 +128,7 @@ def add_kit_flags(p):
     kit.add_argument('--channels-last', action='store_true', help='short for --levers channels_last=1')
     kit.add_argument('--deterministic', action='store_true',
                      help="bit-reproducible: the same seed and number of processes give identical weights (upstream's "
-                          'numerics: cudnn_benchmark, fused_optimizer and channels_last off; '
+                          'numerics: cudnn_benchmark, fused_optimizer, channels_last and dense_box_loss off; '
                           'torch.use_deterministic_algorithms; CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set)')
     kit.add_argument('--compile', action='store_true', help='refused: torch.compile does not pay (bench/RESULTS.md)')
     kit.add_argument('--demo-dir', type=Path, default=None,

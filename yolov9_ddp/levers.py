@@ -42,6 +42,7 @@ class Levers:
     cuda_graphs: bool = False  # forward and backward replayed as CUDA graphs, one GPU (yolov9_ddp/graphs.py)
     fill_uninitialized: bool = False  # under deterministic algorithms, torch's NaN in every new tensor (a memset each)
     host_targets: bool = False  # detection losses get the loader's targets and pad them on the host (patch 0016)
+    dense_box_loss: bool = False  # detection box losses over every anchor: no masked_select waits (boxloss.py)
 
 
 # The defaults of a new run on one CUDA process, measured there (bench/RESULTS.md, "One-GPU defaults": 2.1x
@@ -54,7 +55,7 @@ ONE_GPU_DEFAULTS = {'cuda_graphs': True, 'channels_last': True}
 
 # the levers that change the arithmetic or let it vary from run to run: --deterministic turns them off
 # (foreach_ema is not one of them: its kernels do upstream's arithmetic, bit for bit, yolov9_ddp/ema.py)
-DETERMINISTIC = {'cudnn_benchmark': False, 'fused_optimizer': False, 'channels_last': False}
+DETERMINISTIC = {'cudnn_benchmark': False, 'fused_optimizer': False, 'channels_last': False, 'dense_box_loss': False}
 CUBLAS_WORKSPACE = ':4096:8'  # what cuBLAS needs for deterministic results (upstream's init_seeds sets it too)
 
 

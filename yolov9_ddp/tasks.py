@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from yolov9_ddp import boxloss
 from yolov9_ddp.demo_data import DemoSpec
 
 UPSTREAM_ONLY = {'Panoptic': 'panoptic/train.py'}  # heads no kit entry point trains (one process, upstream's script)
@@ -60,8 +61,9 @@ class Detection:
         from models.yolo import Model
         return Model(cfg, ch=3, nc=nc, anchors=hyp.get('anchors'))
 
-    def loss(self, model, opt):
-        return import_module(self.loss_module).ComputeLoss(model)
+    def loss(self, model, opt, levers):
+        loss = import_module(self.loss_module).ComputeLoss(model)
+        return boxloss.weigh_every_anchor(loss) if levers.dense_box_loss else loss
 
     def loss_inputs(self, batch, device, non_blocking) -> dict:
         """What the loss takes besides predictions and targets (segmentation: the masks)."""
@@ -126,7 +128,7 @@ class Segmentation(Detection):
         from models.yolo import SegmentationModel
         return SegmentationModel(cfg, ch=3, nc=nc)
 
-    def loss(self, model, opt):
+    def loss(self, model, opt, levers):  # the levers host_targets and dense_box_loss are the detection losses'
         return import_module(self.loss_module).ComputeLoss(model, overlap=not opt.no_overlap)
 
     def loss_inputs(self, batch, device, non_blocking) -> dict:

@@ -250,7 +250,7 @@ class Trainer:
         if ckpt is not None and opt.resume:
             self.restore(ckpt)
         del ckpt
-        self.compute_loss = self.task.loss(self.raw_model, opt)
+        self.compute_loss = self.task.loss(self.raw_model, opt, self.levers)
         self.init_loop_state()
         freeze_long_lived_objects()
 

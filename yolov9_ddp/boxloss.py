@@ -1,0 +1,40 @@
+"""The lever dense_box_loss: upstream's detection box loss (BboxLoss of utils/loss_tal*.py) over every anchor, the
+background's terms weighted by zero, instead of over the foreground anchors that torch.masked_select picks out.
+
+masked_select's output has as many elements as the mask has true ones, a number the host must read before it can
+allocate the output: a wait for the GPU, five a box loss, two or three box losses a step. After patches 0016 and 0017
+(and with host_targets) they are the detection loss's only waits, and each one empties the GPU's queue, so the host
+cannot issue the rest of the step ahead of the GPU. Over every anchor the loss has the same terms, but its sums
+run over more elements in another order, so its last bits differ from upstream's: --deterministic turns it off.
+"""
+import types
+
+import torch
+
+
+def weigh_every_anchor(compute_loss):
+    """upstream's ComputeLoss with each of its box losses (bbox_loss, bbox_loss2, ...) computed by dense_forward."""
+    for module in vars(compute_loss).values():
+        if type(module).__name__ == 'BboxLoss':
+            module.forward = types.MethodType(dense_forward, module)
+    return compute_loss
+
+
+def dense_forward(self, pred_dist, pred_bboxes, anchor_points, target_bboxes, target_scores, target_scores_sum,
+                  fg_mask):
+    """BboxLoss.forward's IoU and DFL losses summed over every anchor, each weighted by its target score where it
+    is foreground and by zero elsewhere; returns them and every anchor's IoU (upstream: the foreground's)."""
+    from utils.metrics import bbox_iou
+    from utils.tal.anchor_generator import bbox2dist
+    foreground = fg_mask.unsqueeze(-1)  # (b, h*w, 1)
+    weight = torch.where(foreground, target_scores.sum(-1, keepdim=True), 0)
+    # a background anchor's target is its own prediction: a finite box whose terms (weighted by zero) and their
+    # gradients stay finite, where the target of upstream's assignment may be a padded box of zero size
+    target_bboxes = torch.where(foreground, target_bboxes, pred_bboxes.detach())
+    iou = bbox_iou(pred_bboxes, target_bboxes, xywh=False, CIoU=True)  # (b, h*w, 1)
+    loss_iou = ((1.0 - iou) * weight).sum() / target_scores_sum
+    if not self.use_dfl:
+        return loss_iou, torch.zeros((), device=pred_dist.device), iou
+    target_ltrb = bbox2dist(anchor_points, target_bboxes, self.reg_max).reshape(-1, 4)
+    loss_dfl = self._df_loss(pred_dist.reshape(-1, 4, self.reg_max + 1), target_ltrb) * weight.reshape(-1, 1)
+    return loss_iou, loss_dfl.sum() / target_scores_sum, iou
