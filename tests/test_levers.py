@@ -16,6 +16,7 @@ from testsupport.trees import describe as describe_result
 from yolov9_ddp import checkpoint, cli, graphs
 from yolov9_ddp.levers import (DETERMINISTIC, ONE_GPU_DEFAULTS, Levers, describe, fused_optimizer, levers_for,
                                parse_levers, record_levers, requested_levers, resumed_levers)
+from yolov9_ddp.progress import LaggingLosses
 from yolov9_ddp.tasks import TASKS
 
 
@@ -89,6 +90,15 @@ def test_ema_multi_tensor_update_is_upstreams_bit_for_bit(validated_between, dev
     for (name, a), b in zip(upstream.ema.state_dict().items(), kit.ema.state_dict().values()):
         assert torch.equal(b, a), name
     assert not torch.equal(kit.ema[0].weight, model[0].weight), 'the EMA lags the model'
+
+
+def test_the_progress_bar_shows_the_losses_the_update_before_sent_and_the_epochs_last_its_own():
+    """yolov9_ddp.progress: no update reads a loss the moment it is computed (on a GPU, a wait for all queued work)."""
+    progress, means = LaggingLosses(), [torch.tensor([float(i), i / 2]) for i in range(4)]
+    shown = [progress.shown(means[0], last=False), progress.shown(means[1], last=False)]
+    means[1] += 100  # what the update sent is a copy
+    shown += [progress.shown(means[2], last=False), progress.shown(means[3], last=True)]
+    assert shown == [None, [0.0, 0.0], [1.0, 0.5], [3.0, 1.5]]
 
 
 def test_lever_flags_are_parsed_and_checked():

@@ -36,7 +36,7 @@ class Levers:
     foreach_ema: bool = True  # EMA update as a few multi-tensor kernels instead of three kernels per tensor
     bucket_view: bool = True  # DDP gradient_as_bucket_view: gradients live in the all-reduce buckets (no copy)
     static_graph: bool = False  # DDP static_graph (see yolov9#559: breaks models with unused parameters)
-    progress_every: int = 10  # steps between progress-bar updates (formatting the losses syncs with the GPU)
+    progress_every: int = 10  # steps between progress-bar updates (each a copy of the losses: progress.py)
     cudnn_benchmark: bool = True  # autotuned convolutions instead of upstream's deterministic algorithms
     channels_last: bool = False  # NHWC tensors for the convolutions (--channels-last)
     cuda_graphs: bool = False  # forward and backward replayed as CUDA graphs, one GPU (yolov9_ddp/graphs.py)

@@ -34,6 +34,7 @@ from utils.torch_utils import EarlyStopping, ModelEMA, smart_optimizer
 from yolov9_ddp import checkpoint, cli, comm, data, failures, graphs, position, runs, shutdown, slurm, stream
 from yolov9_ddp.demo_data import ensure_demo_dataset
 from yolov9_ddp.ema import EmaUpdater, synchronize_ema
+from yolov9_ddp.progress import LaggingLosses
 from yolov9_ddp.levers import (DETERMINISTIC, fused_optimizer, record_levers, requested_levers, resumed_levers,
                                use_deterministic_algorithms)
 
@@ -520,6 +521,7 @@ class Trainer:
         pbar = tqdm(batches, total=self.nb, initial=start_step, bar_format=TQDM_BAR_FORMAT, disable=not self.primary)
         self.optimizer.zero_grad()
         non_blocking = self.levers.pin_memory
+        progress = LaggingLosses()
         for i, batch in pbar:
             self.callbacks.run('on_train_batch_start')
             ni = i + self.nb * epoch
@@ -532,10 +534,12 @@ class Trainer:
             mloss = (mloss * i + loss_items) / (i + 1)
             self.after_step(epoch, i, ni, mloss)
             if self.primary:
-                if i % self.levers.progress_every == 0 or i == self.nb - 1:  # formatting the losses syncs the GPU
+                last = i == self.nb - 1
+                shown = progress.shown(mloss, last) if i % self.levers.progress_every == 0 or last else None
+                if shown is not None:
                     mem = f'{torch.cuda.memory_reserved() / 1E9 if torch.cuda.is_available() else 0:.3g}G'
                     pbar.set_description(('%11s' * 2 + '%11.4g' * (len(losses) + 2)) %
-                                         (f'{epoch}/{opt.epochs - 1}', mem, *mloss, targets.shape[0], imgs.shape[-1]))
+                                         (f'{epoch}/{opt.epochs - 1}', mem, *shown, targets.shape[0], imgs.shape[-1]))
                 self.callbacks.run('on_train_batch_end', self.raw_model, ni, imgs, targets, paths, list(mloss),
                                    **self.task.plot_inputs(batch))
         return mloss

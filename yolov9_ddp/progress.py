@@ -1,0 +1,37 @@
+"""The mean losses the training loop's progress bar shows, brought from the GPU without waiting for it."""
+import torch
+
+
+class LaggingLosses:
+    """Each update of the progress bar sends the mean losses on their way to the host and shows the ones the update
+    before sent (progress_every steps earlier: arrived long since). Reading a GPU value the moment it is computed
+    makes the host wait until the GPU has run everything queued before it, and the GPU then idles while the host
+    issues the next step (round 1: an update every step cost the 2-GPU loop 32%, bench/RESULTS.md). The epoch's
+    last update shows its own losses, waited for once an epoch. One per epoch."""
+
+    def __init__(self):
+        self.sent = None  # the copy the last update sent, and the event behind it on a GPU
+
+    def shown(self, mloss: torch.Tensor, last: bool):
+        """The losses to show at this update, or None (an epoch's first update: none sent before it)."""
+        earlier, self.sent = self.sent, None if last else send_to_host(mloss)
+        if last:
+            return mloss.tolist()
+        if earlier is None:
+            return None
+        copy, arrived = earlier
+        if arrived is not None:
+            arrived.synchronize()
+        return copy.tolist()
+
+
+def send_to_host(tensor: torch.Tensor) -> tuple:
+    """(a host copy of tensor, the event it has arrived at or None): on a GPU the copy is on its way, into
+    page-locked memory behind the work queued so far; elsewhere it is made at once."""
+    if tensor.device.type != 'cuda':
+        return tensor.clone(), None
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    copy.copy_(tensor, non_blocking=True)
+    arrived = torch.cuda.Event()
+    arrived.record()
+    return copy, arrived
