@@ -74,9 +74,9 @@ def when_saved(job: Job, run_dir: Path, at_least: list, act):
 
 def held(epoch: int, step: int, nproc=2) -> str:
     """The FAULT (faulty_train.py) that holds every rank before training step `step` of `epoch` until it is asked to
-    stop: the stop then comes after that step, wherever the run was when a checkpoint was last recorded (a SIGTERM
-    sent once run.json showed a step came 1 to 4 steps later on a loaded machine, and the next start then saw the
-    last one's position and was signalled before it had begun)."""
+    stop, so that the stop comes right after that step. (A SIGTERM sent once run.json recorded a step came 1 to 4
+    steps later on a loaded machine, and the next start then found that position recorded and was signalled before
+    it had begun.)"""
     return ';'.join(f'hold:rank={rank}:where=step:epoch={epoch}:step={step}:sleep={DEADLINE_S}'
                     for rank in range(nproc))
 

@@ -34,9 +34,9 @@ from utils.torch_utils import EarlyStopping, ModelEMA, smart_optimizer
 from yolov9_ddp import checkpoint, cli, comm, data, failures, graphs, position, runs, shutdown, slurm, stream
 from yolov9_ddp.demo_data import ensure_demo_dataset
 from yolov9_ddp.ema import EmaUpdater, synchronize_ema
-from yolov9_ddp.progress import LaggingLosses
 from yolov9_ddp.levers import (DETERMINISTIC, fused_optimizer, record_levers, requested_levers, resumed_levers,
                                use_deterministic_algorithms)
+from yolov9_ddp.progress import LaggingLosses
 
 NOMINAL_BATCH = 64  # upstream's nbs: gradients are accumulated up to this many images per optimizer step
 
