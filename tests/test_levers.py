@@ -163,6 +163,25 @@ def test_cuda_graphs_is_refused_in_one_line_where_it_cannot_work(tmp_path, monke
     assert graphs.unsupported(cli.parse_args(['--device', '0'], tmp_path, TASKS['detect-dual']), 1) == ''
 
 
+def test_a_lever_that_would_change_nothing_in_the_run_is_refused_in_one_line(tmp_path):
+    def refusal(task, *args):
+        with pytest.raises(cli.UsageError) as refused:
+            cli.check_options(cli.parse_args(list(args), tmp_path, TASKS[task]), 1, TASKS[task])
+        return str(refused.value)
+
+    def checked(task, *args):  # where it acts: no refusal
+        opt = cli.parse_args(list(args), tmp_path, TASKS[task])
+        cli.refuse_levers_without_effect(levers_for(opt), opt, TASKS[task])
+    for name in ('host_targets', 'dense_box_loss'):
+        assert refusal('segment-dual', '--levers', f'{name}=1') == (
+            f"--levers {name}=1 is for the detection losses; segment/ddp_train_dual.py trains with upstream's "
+            f"segmentation loss, which has no use for it")
+        checked('detect-triple', '--levers', f'{name}=1')
+    assert refusal('detect', '--levers', 'fill_uninitialized=1').startswith(
+        '--levers fill_uninitialized=1 acts under --deterministic only')
+    checked('detect', '--deterministic', '--levers', 'fill_uninitialized=1')
+
+
 def test_a_new_run_on_one_gpu_takes_cuda_graphs_and_channels_last_unless_told_otherwise(tmp_path, monkeypatch):
     def levers(*args, world=1):
         opt = cli.parse_args(list(args), tmp_path, TASKS['detect-dual'])

@@ -14,7 +14,7 @@ import yaml
 
 from yolov9_ddp import graphs
 from yolov9_ddp.comm import DEFAULT_TIMEOUT_S, Unanimous
-from yolov9_ddp.levers import levers_for
+from yolov9_ddp.levers import LOSS_LEVERS, levers_for
 from yolov9_ddp.stream import QUAD
 
 MODELS = Path(__file__).resolve().parent / 'models'  # the kit's tiny model configs, one per task
@@ -198,6 +198,17 @@ def head_of(cfg) -> str:
         raise UsageError(f'{source}: not a YOLOv9 model config (it has no head)') from e
 
 
+def refuse_levers_without_effect(levers, opt, task):
+    """A lever that would change nothing in this run is refused in one line rather than ignored."""
+    given = [name for name in LOSS_LEVERS if getattr(levers, name)]
+    if given and not task.takes_loss_levers:
+        raise UsageError(f'--levers {given[0]}=1 is for the detection losses; {task.script} trains with upstream\'s '
+                         f'segmentation loss, which has no use for it')
+    if levers.fill_uninitialized and not opt.deterministic:
+        raise UsageError('--levers fill_uninitialized=1 acts under --deterministic only (torch fills new tensors under '
+                         'deterministic algorithms): give --deterministic too, or leave the lever out')
+
+
 def check_options(opt, world_size: int, task):
     """Reject what cannot work, identically on every rank (so all stop together, before any collective); on resume
     opt holds the run's own options."""
@@ -230,6 +241,8 @@ def check_options(opt, world_size: int, task):
     unsupported = levers.cuda_graphs and graphs.unsupported(opt, world_size)
     if unsupported:
         raise UsageError(f'--levers cuda_graphs=1 {unsupported}')
+    if not opt.resume:  # a run recorded before these refusals goes on as it started
+        refuse_levers_without_effect(levers, opt, task)
     for flag in ('data', 'hyp', 'weights'):
         value = getattr(opt, flag)
         if value and not opt.resume and not str(value).startswith(('http://', 'https://')) \

@@ -56,6 +56,7 @@ ONE_GPU_DEFAULTS = {'cuda_graphs': True, 'channels_last': True}
 # the levers that change the arithmetic or let it vary from run to run: --deterministic turns them off
 # (foreach_ema is not one of them: its kernels do upstream's arithmetic, bit for bit, yolov9_ddp/ema.py)
 DETERMINISTIC = {'cudnn_benchmark': False, 'fused_optimizer': False, 'channels_last': False, 'dense_box_loss': False}
+LOSS_LEVERS = ('host_targets', 'dense_box_loss')  # what the detection losses take (tasks.Detection.takes_loss_levers)
 CUBLAS_WORKSPACE = ':4096:8'  # what cuBLAS needs for deterministic results (upstream's init_seeds sets it too)
 
 

@@ -35,7 +35,7 @@ class Detection:
     stripped_suffix: str = ''  # train.py strips last.pt into last_striped.pt; the others strip in place
     flat_and_fixed_lr: bool = True  # --flat-cos-lr and --fixed-lr: train_triple.py and the segment scripts lack them
     masks = False
-    takes_host_targets = True  # its loss pads the targets where they are, then moves them once (patch 0016)
+    takes_loss_levers = True  # host_targets (its loss pads the targets where they are: patch 0016), dense_box_loss
     loss_names = ('box_loss', 'cls_loss', 'dfl_loss')
     metric_names = ('P', 'R', 'mAP50', 'mAP50-95')
     demo_folder = 'demo-data'  # beside --project, when --data is not given
@@ -118,7 +118,7 @@ class Segmentation(Detection):
     validation measures boxes and masks (--mask-ratio, --no-overlap as upstream)."""
     flat_and_fixed_lr: bool = False
     masks = True
-    takes_host_targets = False  # upstream's segmentation losses copy the targets to the GPU themselves, blocking
+    takes_loss_levers = False  # upstream's segmentation losses copy the targets to the GPU themselves, blocking
     loss_names = ('box_loss', 'seg_loss', 'cls_loss', 'dfl_loss')
     metric_names = ('P(B)', 'R(B)', 'mAP50(B)', 'mAP50-95(B)', 'P(M)', 'R(M)', 'mAP50(M)', 'mAP50-95(M)')
     demo_folder = 'demo-data-seg'
@@ -128,7 +128,7 @@ class Segmentation(Detection):
         from models.yolo import SegmentationModel
         return SegmentationModel(cfg, ch=3, nc=nc)
 
-    def loss(self, model, opt, levers):  # the levers host_targets and dense_box_loss are the detection losses'
+    def loss(self, model, opt, levers):  # takes no lever (takes_loss_levers)
         return import_module(self.loss_module).ComputeLoss(model, overlap=not opt.no_overlap)
 
     def loss_inputs(self, batch, device, non_blocking) -> dict:

@@ -547,7 +547,7 @@ class Trainer:
     def loss_targets(self, targets: torch.Tensor) -> torch.Tensor:
         """The batch's targets as the loss takes them: the loader's (on the host) with the lever host_targets where the
         task's loss pads them there without waiting for the GPU (patch 0016), else copied to the device."""
-        if self.levers.host_targets and self.task.takes_host_targets:
+        if self.levers.host_targets and self.task.takes_loss_levers:
             return targets
         return targets.to(self.device, non_blocking=self.levers.pin_memory)
 
