@@ -72,13 +72,12 @@ def when_saved(job: Job, run_dir: Path, at_least: list, act):
     act()
 
 
-def held(epoch: int, step: int, nproc=2) -> str:
-    """The FAULT (faulty_train.py) that holds every rank before training step `step` of `epoch` until it is asked to
-    stop, so that the stop comes right after that step. (A SIGTERM sent once run.json recorded a step came 1 to 4
-    steps later on a loaded machine, and the next start then found that position recorded and was signalled before
-    it had begun.)"""
-    return ';'.join(f'hold:rank={rank}:where=step:epoch={epoch}:step={step}:sleep={DEADLINE_S}'
-                    for rank in range(nproc))
+def held(epoch: int, step: int, ranks=range(2)) -> str:
+    """The FAULT (faulty_train.py) that holds those ranks before training step `step` of `epoch` until they are asked
+    to stop or killed, so that a stop or a kill comes right there. (A SIGTERM sent once run.json recorded a step came
+    1 to 4 steps later on a loaded machine, and the next start then found that position recorded and was signalled
+    before it had begun.)"""
+    return ';'.join(f'hold:rank={rank}:where=step:epoch={epoch}:step={step}:sleep={DEADLINE_S}' for rank in ranks)
 
 
 def stopped(job: Job, nproc=2) -> str:
@@ -122,14 +121,14 @@ def test_a_run_stopped_three_times_mid_epoch_ends_bit_identical(patched_tree, da
 
 def test_a_sigkilled_rank_restarts_from_its_periodic_checkpoint_bit_identical_with_loader_workers(
         patched_tree, data, reference, tmp_path):
-    """Also: 2 loader workers per rank draw the augmentations of none (each sample seeds itself)."""
+    """Rank 1 is held before step 2 of epoch 1 and killed once the checkpoint after step 1 is recorded: the restart
+    resumes there. Also: 2 loader workers per rank draw the augmentations of none (each sample seeds itself)."""
     project = tmp_path / 'runs'
     job = launch(patched_tree, tmp_path, 'killed', 2, args(data, project, '--checkpoint-steps', 1, '--workers', 2),
-                 max_restarts=1, **NEW_INTERPRETERS)
-    when_saved(job, project / 'exp', [1, 1], lambda: os.kill(workers_of(job, rank=1)[0], signal.SIGKILL))
+                 max_restarts=1, script=FAULTY, fault=held(1, 2, ranks=[1]), **NEW_INTERPRETERS)
+    when_saved(job, project / 'exp', [1, 2], lambda: os.kill(workers_of(job, rank=1)[0], signal.SIGKILL))
     output = finished(job)
-    [(epoch, step)] = resumed_at(output)
-    assert (epoch, step) >= (1, 1) and 0 < step, output[-3000:]
+    assert resumed_at(output) == [(1, 2)], output[-3000:]
     assert differences(final_state(project / 'exp', EPOCHS), reference) == []
 
 
@@ -142,23 +141,24 @@ def workers_of(job: Job, rank=None) -> list:
 
 def test_an_elastic_job_that_loses_an_agent_goes_on_with_the_one_left(patched_tree, data, tmp_path):
     """torchrun --nnodes 1:2 with two agents of one process each; inside epoch 1 the second agent and its process
-    are SIGKILLed (a lost node). The first one's process fails in a collective, its agent forms the job again on
-    its own, and the run goes on from its newest periodic checkpoint, at its step, on 1 process, to the end."""
+    are SIGKILLed (a lost node), its process held before step 2 (the checkpoint after step 1 recorded). The first
+    one's process fails in a collective, its agent forms the job again on its own, and the run goes on from that
+    checkpoint, at its step, on 1 process, to the end."""
     project, endpoint = tmp_path / 'runs', f'127.0.0.1:{free_port()}'
     # A lost agent is noticed within seconds, not torchrun's 30+. The last call waits 10 s for the second agent
     # (2 s were too short on a loaded machine: the first agent began alone, then restarted to take the late one
     # in, and that second rendezvous of both hung in torch's role exchange until its 60 s timeout).
     rendezvous = ['--max-restarts', 1, '--rdzv-conf',
                   'join_timeout=60,last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3']
-    script = ['ddp_train_dual.py', *args(data, project, '--checkpoint-steps', 1)]
+    script = [FAULTY, *args(data, project, '--checkpoint-steps', 1)]
     agents = []
-    for n in range(2):  # the first agent hosts the rendezvous store; the one lost must not be it
+    for n in range(2):  # the first agent hosts the rendezvous store; the one lost must not be it (whatever its rank)
         agents.append(start_job(node_cmd('1:2', endpoint, f'elastic-{endpoint}', *rendezvous, *script),
-                                patched_tree, tmp_path, f'agent{n}'))
+                                patched_tree, tmp_path, f'agent{n}', held(1, 2) if n else ''))
         wait_for_store(endpoint, agents[0])
-    when_saved(agents[0], project / 'exp', [1, 1], lambda: lose(agents[1]))
+    when_saved(agents[0], project / 'exp', [1, 2], lambda: lose(agents[1]))
     output = finished(agents[0])
-    assert len(resumed_at(output)) == 1, output[-3000:]
+    assert resumed_at(output) == [(1, 2)], output[-3000:]
     assert 'the run continues on 1 process(es) instead of 2' in output, output[-3000:]
     assert completed_run_problems(project, EPOCHS) == []
 
@@ -206,7 +206,8 @@ def test_a_run_continues_on_3_processes_and_on_2_again_training_every_image_once
                                 'it can over 1, 2, 3, 4, 6 or 12'), five.output()[-4000:]
     assert (run_dir / 'opt.yaml').read_text() == options
 
-    three = stopped(launch(patched_tree, tmp_path, 'three', 3, ['--resume', last], fault=held(1, 1, 3), **common), 3)
+    three = launch(patched_tree, tmp_path, 'three', 3, ['--resume', last], fault=held(1, 1, range(3)), **common)
+    three = stopped(three, 3)
     two = finished(launch(patched_tree, tmp_path, 'two-again', 2, ['--resume', last], **common))
     assert '3 process(es), batch 12 (4 per process)' in three, three[-4000:]
     assert three.count('the run continues on 3 process(es) instead of 2: BatchNorm statistics now come from 4 images '
