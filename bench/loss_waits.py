@@ -16,7 +16,7 @@ import hashlib
 import json
 import sys
 import warnings
-from importlib import import_module
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path.cwd()
@@ -26,7 +26,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.gpu_step import TASK, fixed_batch  # noqa: E402
-from yolov9_ddp import boxloss, cli, comm  # noqa: E402
+from yolov9_ddp import cli, comm  # noqa: E402
 
 
 def leaves(outputs):
@@ -69,7 +69,7 @@ def main():
         trainer.model.train()
         with torch.no_grad(), torch.amp.autocast('cuda', enabled=trainer.amp):
             outputs = trainer.raw_model(images)
-        dense = boxloss.weigh_every_anchor(import_module(TASK.loss_module).ComputeLoss(trainer.raw_model))
+        dense = TASK.loss(trainer.raw_model, trainer.opt, replace(trainer.levers, dense_box_loss=True))  # as a run's
         ways = {'gpu_targets': (trainer.compute_loss, lambda: targets.to(device)),
                 'host_targets': (trainer.compute_loss, lambda: targets.pin_memory()),
                 'dense_box_loss': (dense, lambda: targets.pin_memory())}
