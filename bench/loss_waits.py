@@ -10,11 +10,15 @@ One forward pass of the kit's Trainer on a fixed batch (bench/gpu_step.py), unde
 are the inputs of every loss call below, so that only the targets' device differs. Each way: the loss, its items and
 its gradients with respect to those outputs, twice (a difference between the two calls of one way is the GPU's own
 nondeterminism, which would make a comparison of the ways meaningless), and the synchronising calls of one loss call
-(torch.cuda.set_sync_debug_mode: each is a wait of the host for the GPU). Writes the counts and the comparisons.
+(torch.cuda.set_sync_debug_mode: each is a wait of the host for the GPU). set_sync_debug_mode knows only the waits
+torch asks for; a copy the driver must stage (pageable host memory) may wait on its own. So each way also times one
+loss call on the host behind a second of queued GPU work (torch.cuda._sleep): a call that waits anywhere takes that
+second. Writes the counts, the times and the comparisons.
 """
 import hashlib
 import json
 import sys
+import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -55,6 +59,30 @@ def one_loss(trainer, compute_loss, outputs, targets) -> tuple:
     return (loss.item(), items.tolist(), grads.hexdigest()), waits
 
 
+def gpu_sleep_cycles(seconds: float) -> int:
+    """The cycles of torch.cuda._sleep that keep the GPU busy for about `seconds`, from a timed tenth of them."""
+    cycles = 10**8
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return int(cycles * seconds / (start.elapsed_time(end) / 1000))
+
+
+def host_seconds_behind(compute_loss, outputs, targets, amp: bool, sleep_cycles: int) -> float:
+    """The host's time for one loss call queued behind about a second of GPU work: well under it if nothing waits."""
+    inputs = leaves(outputs)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(sleep_cycles)
+    start = time.perf_counter()
+    with torch.amp.autocast('cuda', enabled=amp):
+        compute_loss(inputs, targets)
+    seconds = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return seconds
+
+
 def main():
     out, argv = Path(sys.argv[1]), sys.argv[2:]
     opt = cli.parse_args(argv, ROOT, TASK)
@@ -73,10 +101,12 @@ def main():
         ways = {'gpu_targets': (trainer.compute_loss, lambda: targets.to(device)),
                 'host_targets': (trainer.compute_loss, lambda: targets.pin_memory()),
                 'dense_box_loss': (dense, lambda: targets.pin_memory())}
-        result = {}
+        result, sleep_cycles = {'gpu_queue_seconds': 1.0}, gpu_sleep_cycles(1.0)
         for way, (compute_loss, made) in ways.items():
             (first, waits), (again, _) = (one_loss(trainer, compute_loss, outputs, made()) for _ in range(2))
-            result[way] = {'waits_a_loss_call': waits, 'numbers': first, 'repeatable': first == again}
+            behind = host_seconds_behind(compute_loss, outputs, made(), trainer.amp, sleep_cycles)
+            result[way] = {'waits_a_loss_call': waits, 'host_seconds_behind_the_gpu_queue': round(behind, 4),
+                           'numbers': first, 'repeatable': first == again}
         result['same_numbers'] = result['gpu_targets']['numbers'] == result['host_targets']['numbers']
         (exact, exact_items, _), (dense_value, dense_items, _) = (result[way]['numbers']
                                                                   for way in ('host_targets', 'dense_box_loss'))
