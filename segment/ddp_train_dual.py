@@ -2,7 +2,8 @@
 """Distributed training of YOLOv9 dual-head segmentation models (DualDSegment), a drop-in for
 segment/train_dual.py.
 
-    torchrun --nproc_per_node N segment/ddp_train_dual.py ARGS   N GPUs (NCCL), or N CPU processes with --device cpu (gloo)
+    torchrun --nproc_per_node N segment/ddp_train_dual.py ARGS   N GPUs (NCCL), or N CPU processes with --device cpu
+                                                                 (gloo)
     python segment/ddp_train_dual.py ARGS                        one process, as segment/train_dual.py
 
 ARGS are segment/train_dual.py's flags (see --help). Installed into a YOLOv9 clone by apply_patches.py. The training

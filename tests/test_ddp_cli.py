@@ -64,7 +64,8 @@ def dump(parser):
 def upstream_parser(module):
     """The parser upstream's script builds in parse_opt(), captured where it would parse."""
     captured = []
-    real_parse_args, real_parse_known_args = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
+    parser = argparse.ArgumentParser
+    real_parse_args, real_parse_known_args = parser.parse_args, parser.parse_known_args
     argparse.ArgumentParser.parse_args = lambda self, *a, **k: captured.append(self) or argparse.Namespace()
     argparse.ArgumentParser.parse_known_args = \
         lambda self, *a, **k: (captured.append(self), (argparse.Namespace(), []))[1]

@@ -527,7 +527,7 @@ print('ok')
         assert plot.exists() == written, f'{name} the patch: the plot was {"" if plot.exists() else "not "}written'
 
 
-# -- 0015: seaborn is imported where the labels are plotted, not at every start -----------------------------------------
+# -- 0015: seaborn is imported where the labels are plotted, not at every start ----------------------------------------
 
 @pytest.mark.slow
 @pytest.mark.one_core

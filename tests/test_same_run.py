@@ -7,7 +7,8 @@ same run
 and a run of global batch 12 stopped on 2 processes, continued on 3 and stopped again, then finished on 2, trains
 every image of each epoch exactly once (recorded per rank by testsupport/probes/recording_train.py), and a torchrun
 elastic job (--nnodes 1:2) that loses an agent goes on with the one left. Every other entry point ends a run that
-was SIGKILLed, restarted, stopped inside an epoch and resumed bit-identical to its uninterrupted run: tests/test_tasks.py.
+was SIGKILLed, restarted, stopped inside an epoch and resumed bit-identical to its uninterrupted run:
+tests/test_tasks.py.
 Bit-identity across world sizes is not claimed: the order of the sums of an all-reduce changes with it."""
 import json
 import os

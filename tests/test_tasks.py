@@ -289,7 +289,7 @@ def test_segmentation_trains_when_a_rank_has_a_batch_without_masks(patched_tree,
     assert not problems, problems
 
 
-# -- which entry point trains which model (fast) -------------------------------------------------------------------------
+# -- which entry point trains which model (fast) -----------------------------------------------------------------------
 
 def test_every_upstream_model_config_has_exactly_one_way_to_train_it(pinned_upstream):
     from yolov9_ddp.tasks import UPSTREAM_ONLY

@@ -284,8 +284,8 @@ def slowed_launcher(folder: Path, name: str, started: Path) -> Path:
 def held_first_start(folder: Path, hold_s: float) -> tuple:
     """(folder for the front of a job's PATH, its environment) that make the single-node script's first start train
     with testsupport/probes/faulty_train.py, which holds rank 0 at step 1 of its second epoch (epoch 1) until a
-    signal comes, for hold_s at most; a requeued start (SLURM_RESTART_COUNT > 0) trains as usual. So the first start is still
-    training when a warning comes whose moment Slurm chooses, however fast this machine runs."""
+    signal comes, for hold_s at most; a requeued start (SLURM_RESTART_COUNT > 0) trains as usual. So the first start is
+    still training when a warning comes whose moment Slurm chooses, however fast this machine runs."""
     folder.mkdir(parents=True, exist_ok=True)
     wrapper = folder / 'torchrun'
     wrapper.write_text(f'#!/bin/sh\n[ "${{SLURM_RESTART_COUNT:-0}}" = 0 ] && export FAULT=hold:where=step:epoch=1:'

@@ -481,7 +481,8 @@ class Trainer:
             return
         self.last_checkpoint_time = time.monotonic()
         self.writer.submit(lambda: self.queue_host_checkpoint(where), self.last,
-                           f'checkpoint at epoch {where.epoch} step {where.step}', then=lambda: self.record_saved(where))
+                           f'checkpoint at epoch {where.epoch} step {where.step}',
+                           then=lambda: self.record_saved(where))
 
     def record_saved(self, where: position.Position):
         """run.json: a checkpoint of this position is in place (upstream's epoch: the last complete one)."""
