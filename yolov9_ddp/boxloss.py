@@ -23,14 +23,13 @@ def weigh_every_anchor(compute_loss):
 def dense_forward(self, pred_dist, pred_bboxes, anchor_points, target_bboxes, target_scores, target_scores_sum,
                   fg_mask):
     """BboxLoss.forward's IoU and DFL losses summed over every anchor, each weighted by its target score where it
-    is foreground and by zero elsewhere; returns them and every anchor's IoU (upstream: the foreground's)."""
+    is foreground and by zero elsewhere; returns them and every anchor's IoU (a background anchor's is its stand-ins',
+    background_stand_ins; upstream returns the foreground's, and no caller reads either)."""
     from utils.metrics import bbox_iou
     from utils.tal.anchor_generator import bbox2dist
     foreground = fg_mask.unsqueeze(-1)  # (b, h*w, 1)
     weight = torch.where(foreground, target_scores.sum(-1, keepdim=True), 0)
-    # a background anchor's target is its own prediction: a finite box whose terms (weighted by zero) and their
-    # gradients stay finite, where the target of upstream's assignment may be a padded box of zero size
-    target_bboxes = torch.where(foreground, target_bboxes, pred_bboxes.detach())
+    pred_bboxes, target_bboxes = background_stand_ins(foreground, pred_bboxes, target_bboxes)
     iou = bbox_iou(pred_bboxes, target_bboxes, xywh=False, CIoU=True)  # (b, h*w, 1)
     loss_iou = ((1.0 - iou) * weight).sum() / target_scores_sum
     if not self.use_dfl:
@@ -38,3 +37,15 @@ def dense_forward(self, pred_dist, pred_bboxes, anchor_points, target_bboxes, ta
     target_ltrb = bbox2dist(anchor_points, target_bboxes, self.reg_max).reshape(-1, 4)
     loss_dfl = self._df_loss(pred_dist.reshape(-1, 4, self.reg_max + 1), target_ltrb) * weight.reshape(-1, 1)
     return loss_iou, loss_dfl.sum() / target_scores_sum, iou
+
+
+def background_stand_ins(foreground, pred_bboxes, target_bboxes) -> tuple:
+    """pred_bboxes and target_bboxes (x1, y1, x2, y2), each background anchor's pair replaced by two fixed boxes,
+    (0, 0, 1, 1) and (0, 0, 2, 2), whose CIoU terms are finite: a zero weight keeps a term out of the sum only if it
+    is finite (0 * inf is NaN). Upstream's target there may be a padded box of zero size, and a prediction against
+    itself is no better: with the prediction in float16 (autocast) and the target in float32, its IoU can round to 1
+    or above, and CIoU's alpha = v / (v - iou + 1 + eps) divides by zero (a NaN loss on an H100). The background's gradient stops at torch.where, exactly zero.
+    Foreground values pass unchanged, in their own dtypes."""
+    unit_box = torch.arange(4, device=pred_bboxes.device) // 2  # (0, 0, 1, 1)
+    return (torch.where(foreground, pred_bboxes, unit_box.to(pred_bboxes.dtype)),
+            torch.where(foreground, target_bboxes, 2 * unit_box.to(target_bboxes.dtype)))
