@@ -553,6 +553,8 @@ print('ok')
 LOSSES_ON_META = """
 import hashlib, json, sys, traceback
 import torch, yaml
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 from models.yolo import Model
 HYP = yaml.safe_load(open('data/hyps/hyp.scratch-high.yaml'))
 TARGETS = {  # the loader's, on the host: boxes apart, boxes that share anchors, none
@@ -572,15 +574,47 @@ def loss_of(module, cfg, device):
     return model, loss
 
 
+class BlockingCopiesFail(TorchFunctionMode):
+    # meta takes host data into its ops silently, where a GPU first copies it over and waits for the copy
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if copies_host_data_blocking(func, args, kwargs, result):
+            raise RuntimeError(f'{func.__name__}: a blocking copy of host data to the device')
+        return result
+
+
+def copies_host_data_blocking(func, args, kwargs, result) -> bool:
+    # a host tensor beside a device tensor, a list used as an index, torch.tensor(..., device=...), a blocking
+    # .to(device). A host scalar is a kernel's argument, no copy.
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    host_data = any(t.device.type == 'cpu' and t.dim() > 0 for t in tensors)
+    if any(t.is_meta for t in tensors):
+        return host_data or func in INDEXING and has_list(args[1])
+    made_on_device = func in (torch.tensor, torch.Tensor.to) and getattr(result, 'is_meta', False)
+    return made_on_device and not kwargs.get('non_blocking') and (host_data or func is torch.tensor)
+
+
+INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
+
+
+def has_list(index) -> bool:
+    return isinstance(index, list) or isinstance(index, tuple) and any(isinstance(i, list) for i in index)
+
+
 def first_read(module, cfg):
     # Where the loss first reads a value from the model's device: on 'meta', whose values cannot be read, each
-    # such read (an .item(), a blocking copy, a tensor's truth, a masked_select's size) fails, as it would wait for
-    # the GPU on a GPU. 'file:function', or 'nowhere'.
+    # such read (an .item(), a copy to the host, a tensor's truth, a masked_select's size) fails, as it would wait
+    # for the GPU on a GPU, and so does each blocking copy to the device (BlockingCopiesFail). 'file:function', or
+    # 'nowhere'.
     model, loss = loss_of(module, cfg, 'meta')
+    outputs = model(torch.zeros(2, 3, 64, 64, device='meta'))
     try:
-        loss(model(torch.zeros(2, 3, 64, 64, device='meta')), torch.tensor(TARGETS['apart']))
+        with BlockingCopiesFail():
+            loss(outputs, torch.tensor(TARGETS['apart']))
     except Exception as e:
-        frame = [f for f in traceback.extract_tb(e.__traceback__) if '/torch/' not in f.filename][-1]
+        frame = [f for f in traceback.extract_tb(e.__traceback__)
+                 if '/torch/' not in f.filename and f.name != '__torch_function__'][-1]
         return f"{frame.filename.rsplit('/', 1)[-1]}:{frame.name}"
     return 'nowhere'
 
@@ -630,10 +664,11 @@ def first_reads(where: str) -> dict:
 @pytest.mark.slow
 def test_0016_detection_losses_reach_their_assigner_without_waiting_for_the_gpu(tree_without, patched_losses,
                                                                                 offline_env):
-    # make_anchors' torch.full(..., GPU stride) read each stride, the image size was a blocking copy, and preprocess()
-    # tested, indexed and sliced by GPU counts for each image: about 100 waits a step, each leaving the GPU idle
+    # the image size was a blocking copy, and so was its (w, h, w, h) by a list index; make_anchors'
+    # torch.full(..., GPU stride) read each stride, and preprocess() tested, indexed and sliced by GPU counts for each
+    # image: about 100 waits a step, each leaving the GPU idle. The first of them is the image size's copy.
     without = losses(tree_without(16), offline_env)
-    assert without['reads'] == first_reads('anchor_generator.py:make_anchors')
+    assert without['reads'] == first_reads('{file}.py:__call__')
     # on the host both trees compute the same numbers, bit for bit: the loss, its items and the gradients
     assert exact(without) == exact(patched_losses)
 
