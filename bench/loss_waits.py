@@ -19,8 +19,8 @@ import hashlib
 import json
 import sys
 import time
-from collections import Counter
 import warnings
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -72,7 +72,7 @@ def gpu_sleep_cycles(seconds: float) -> int:
     return int(cycles * seconds / (start.elapsed_time(end) / 1000))
 
 
-def host_seconds_behind(compute_loss, outputs, targets, amp: bool, sleep_cycles: int) -> dict:
+def timed_behind_queued_work(compute_loss, outputs, targets, amp: bool, sleep_cycles: int) -> dict:
     """The host's time for one loss call queued behind about a second of GPU work, and that work's own time (CUDA
     events): the first well under the second if nothing waits, and unless the call issues more kernels than the
     driver queues (about a thousand)."""
@@ -111,7 +111,7 @@ def main():
         result, sleep_cycles = {}, gpu_sleep_cycles(1.0)
         for way, (compute_loss, made) in ways.items():
             (first, waits), (again, _) = (one_loss(trainer, compute_loss, outputs, made()) for _ in range(2))
-            behind = host_seconds_behind(compute_loss, outputs, made(), trainer.amp, sleep_cycles)
+            behind = timed_behind_queued_work(compute_loss, outputs, made(), trainer.amp, sleep_cycles)
             result[way] = {'waits_a_loss_call': sum(waits.values()), 'waits_where': dict(waits),
                            'a_loss_call_behind_queued_gpu_work': behind,
                            'numbers': first, 'repeatable': first == again}

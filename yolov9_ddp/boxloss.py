@@ -44,8 +44,8 @@ def background_stand_ins(foreground, pred_bboxes, target_bboxes) -> tuple:
     (0, 0, 1, 1) and (0, 0, 2, 2), whose CIoU terms are finite: a zero weight keeps a term out of the sum only if it
     is finite (0 * inf is NaN). Upstream's target there may be a padded box of zero size, and a prediction against
     itself is no better: with the prediction in float16 (autocast) and the target in float32, its IoU can round to 1
-    or above, and CIoU's alpha = v / (v - iou + 1 + eps) divides by zero (a NaN loss on an H100). The background's gradient stops at torch.where, exactly zero.
-    Foreground values pass unchanged, in their own dtypes."""
+    or above, and CIoU's alpha = v / (v - iou + 1 + eps) divides by zero (a NaN loss on an H100). The background's
+    gradient stops at torch.where, exactly zero. Foreground values pass unchanged, in their own dtypes."""
     unit_box = torch.arange(4, device=pred_bboxes.device) // 2  # (0, 0, 1, 1)
     return (torch.where(foreground, pred_bboxes, unit_box.to(pred_bboxes.dtype)),
             torch.where(foreground, target_bboxes, 2 * unit_box.to(target_bboxes.dtype)))
