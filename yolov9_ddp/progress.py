@@ -1,6 +1,8 @@
 """The mean losses the training loop's progress bar shows, brought from the GPU without waiting for it."""
 import torch
 
+from yolov9_ddp.checkpoint import queue_host_copies
+
 
 class LaggingLosses:
     """Each update of the progress bar sends the mean losses on their way to the host and shows the ones the update
@@ -27,11 +29,6 @@ class LaggingLosses:
 
 def send_to_host(tensor: torch.Tensor) -> tuple:
     """(a host copy of tensor, the event it has arrived at or None): on a GPU the copy is on its way, into
-    page-locked memory behind the work queued so far; elsewhere it is made at once."""
-    if tensor.device.type != 'cuda':
-        return tensor.clone(), None
-    copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    copy.copy_(tensor, non_blocking=True)
-    arrived = torch.cuda.Event()
-    arrived.record()
+    page-locked memory behind the work queued so far, as a checkpoint's copies are; elsewhere it is made at once."""
+    [copy], arrived = queue_host_copies([tensor])
     return copy, arrived
