@@ -15,7 +15,6 @@ import os
 import re
 import signal
 import socket
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import pytest
 import yaml
 
 from testsupport.faults import (FAULTY, Job, children_of, completed_run_problems, differences, final_state, node_cmd,
-                               refusal_problems, results_epochs, start_job, weights_snapshot)
+                               refusal_problems, results_epochs, start_job, wait_until, weights_snapshot)
 from testsupport.jobs import NEW_INTERPRETERS, free_port, torchrun_cmd, train_args
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
@@ -65,11 +64,7 @@ def saved_position(run_dir: Path) -> list:
 
 def when_saved(job: Job, run_dir: Path, at_least: list, act):
     """act() once run.json records a checkpoint at or past at_least = [epoch, step]."""
-    deadline = time.monotonic() + DEADLINE_S
-    while saved_position(run_dir) < at_least:
-        assert job.proc.poll() is None, f'the job ended before {at_least}:\n{job.output()[-4000:]}'
-        assert time.monotonic() < deadline, f'no checkpoint at {at_least} within {DEADLINE_S} s'
-        time.sleep(0.1)
+    wait_until(lambda: saved_position(run_dir) >= at_least, f'a checkpoint at {at_least}', job, DEADLINE_S)
     act()
 
 
@@ -84,11 +79,7 @@ def held(epoch: int, step: int, ranks=range(2)) -> str:
 def stopped(job: Job, nproc=2) -> str:
     """SIGTERM to torchrun once every rank holds (a job started with FAULT=held(...)); it must stop with a resumable
     checkpoint."""
-    deadline = time.monotonic() + DEADLINE_S
-    while len(job.events('fired')) < nproc:
-        assert job.proc.poll() is None, f'the job ended before its ranks held:\n{job.output()[-4000:]}'
-        assert time.monotonic() < deadline, f'its ranks did not hold within {DEADLINE_S} s'
-        time.sleep(0.1)
+    wait_until(lambda: len(job.events('fired')) >= nproc, f'its {nproc} ranks to hold', job, DEADLINE_S)
     os.kill(job.proc.pid, signal.SIGTERM)
     job.wait(DEADLINE_S)
     assert 'resumable checkpoint written to' in job.output(), job.output()[-4000:]
@@ -165,15 +156,16 @@ def test_an_elastic_job_that_loses_an_agent_goes_on_with_the_one_left(patched_tr
 
 
 def wait_for_store(endpoint: str, host: Job):
+    wait_until(lambda: accepts_connections(endpoint), f'the rendezvous store at {endpoint}', host, DEADLINE_S)
+
+
+def accepts_connections(endpoint: str) -> bool:
     host_name, port = endpoint.rsplit(':', 1)
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
-        try:
-            socket.create_connection((host_name, int(port)), 1).close()
-            return
-        except OSError:
-            assert host.proc.poll() is None and time.monotonic() < deadline, host.output()[-3000:]
-            time.sleep(0.1)
+    try:
+        socket.create_connection((host_name, int(port)), 1).close()
+        return True
+    except OSError:
+        return False
 
 
 def lose(agent: Job):

@@ -130,16 +130,22 @@ def kill_processes_mentioning(text: str):
             pass
 
 
-def wait_for_path(path: Path, job: Job, timeout=240):
+def wait_until(done, what: str, job: Job, timeout: float = 240):
+    """Poll done() while job runs: fail if the job ends first, or (its processes killed) after timeout seconds.
+    what: the awaited moment, for the failure ('mark-mark to appear')."""
     deadline = time.monotonic() + timeout
-    while not path.exists():
+    while not done():
         if job.proc.poll() is not None:
-            raise AssertionError(f'the job ended (exit {job.proc.returncode}) before {path.name} appeared:\n'
+            raise AssertionError(f'the job ended (exit {job.proc.returncode}) while waiting for {what}:\n'
                                  f'{job.output()[-4000:]}')
         if time.monotonic() > deadline:
             kill_processes_mentioning(job.marker)
-            raise AssertionError(f'{path.name} did not appear within {timeout} s:\n{job.output()[-4000:]}')
+            raise AssertionError(f'waited {timeout} s for {what} in vain:\n{job.output()[-4000:]}')
         time.sleep(0.05)
+
+
+def wait_for_path(path: Path, job: Job, timeout=240):
+    wait_until(path.exists, f'{path.name} to appear', job, timeout)
 
 
 def run_folders(project: Path) -> list:
