@@ -8,6 +8,7 @@ import contextlib
 import datetime
 import os
 import pickle
+import time
 import warnings
 
 import torch
@@ -17,6 +18,8 @@ from yolov9_ddp import environment
 
 DEFAULT_TIMEOUT_S = 3 * 60 * 60  # generous: a first epoch that builds caches may keep ranks apart for long
 DECISION_KEY = 'rank0-decision'  # rank0_decides() in the launch store
+DECISION_READ_KEY = 'rank0-decision-read'  # how many other ranks have read it
+FAILED_DECISION_WAIT_S = 10  # rank 0 failed: how long it waits for the others to read so, at most
 _LAUNCH = {}  # the launch store, once made (launch_store)
 
 
@@ -228,11 +231,23 @@ def rank0_decides(decide, timeout_s: float):
             decision = decide()
         finally:  # None tells the other ranks that rank 0 failed, so that they do not wait for it
             store.set(DECISION_KEY, pickle.dumps(decision))
+            if decision is None:
+                wait_for_readers(store, launched_world_size() - 1, FAILED_DECISION_WAIT_S)
         return decision
     decision = pickle.loads(store.get(DECISION_KEY))
+    store.add(DECISION_READ_KEY, 1)
     if decision is None:
         raise PeerFailed('stopping: rank 0 failed before training (its error message says why)')
     return decision
+
+
+def wait_for_readers(store: dist.Store, readers: int, timeout_s: float):
+    """Until that many other ranks have read rank 0's decision, timeout_s at most. A rank 0 that failed stops only
+    then: once it has exited, torchrun SIGTERMs the others, and a rank still starting up would die without its own
+    line; under a plain env:// launch the store is rank 0's and would be gone before they read it."""
+    deadline = time.monotonic() + timeout_s
+    while store.add(DECISION_READ_KEY, 0) < readers and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager
