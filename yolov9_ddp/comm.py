@@ -243,8 +243,9 @@ def rank0_decides(decide, timeout_s: float):
 
 def wait_for_readers(store: dist.Store, readers: int, timeout_s: float):
     """Until that many other ranks have read rank 0's decision, timeout_s at most. A rank 0 that failed stops only
-    then: once it has exited, torchrun SIGTERMs the others, and a rank still starting up would die without its own
-    line; under a plain env:// launch the store is rank 0's and would be gone before they read it."""
+    then: once it has exited, torchrun SIGTERMs the others, and a rank still starting up would be killed before it
+    stops by itself (recording why for torchrun's summary); under a plain env:// launch the store is rank 0's and
+    would be gone before they read it."""
     deadline = time.monotonic() + timeout_s
     while store.add(DECISION_READ_KEY, 0) < readers and time.monotonic() < deadline:
         time.sleep(0.05)
