@@ -182,20 +182,24 @@ def test_a_lever_that_would_change_nothing_in_the_run_is_refused_in_one_line(tmp
     checked('detect', '--deterministic', '--levers', 'fill_uninitialized=1')
 
 
-def test_a_new_run_on_one_gpu_takes_cuda_graphs_and_channels_last_unless_told_otherwise(tmp_path, monkeypatch):
-    def levers(*args, world=1):
-        opt = cli.parse_args(list(args), tmp_path, TASKS['detect-dual'])
-        return levers_for(opt, graphs.one_gpu_defaults(opt, world))
+def test_a_new_run_on_one_gpu_takes_the_one_gpu_defaults_unless_told_otherwise(tmp_path, monkeypatch):
+    def levers(*args, world=1, task='detect-dual'):
+        opt = cli.parse_args(list(args), tmp_path, TASKS[task])
+        return levers_for(opt, graphs.one_gpu_defaults(opt, world, TASKS[task]))
     assert levers('--device', '0') == Levers(), 'no CUDA here'
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
     assert levers('--device', '0') == replace(Levers(), **ONE_GPU_DEFAULTS) == replace(
-        Levers(), cuda_graphs=True, channels_last=True)
+        Levers(), cuda_graphs=True, channels_last=True, host_targets=True)
+    assert levers('--device', '0', task='segment-dual') == replace(Levers(), cuda_graphs=True, channels_last=True), \
+        'host_targets only where the loss takes it'
     assert levers('--device', 'cpu') == levers('--device', '0,1', world=2) == Levers()
     assert levers('--device', '0', '--resume') == Levers(), "a resume keeps the run's own (recorded) levers"
-    assert levers('--device', '0', '--multi-scale') == replace(Levers(), channels_last=True)
-    assert levers('--device', '0', '--batch-size', '-1') == replace(Levers(), channels_last=True), 'AutoBatch'
-    assert levers('--device', '0', '--levers', 'channels_last=0') == replace(Levers(), cuda_graphs=True)
-    assert levers('--device', '0', '--deterministic') == replace(Levers(), **DETERMINISTIC)
+    assert levers('--device', '0', '--multi-scale') == replace(Levers(), channels_last=True, host_targets=True)
+    assert levers('--device', '0', '--batch-size', '-1') == replace(Levers(), channels_last=True, host_targets=True), \
+        'AutoBatch'
+    assert levers('--device', '0', '--levers', 'channels_last=0,host_targets=0') == replace(Levers(), cuda_graphs=True)
+    assert levers('--device', '0', '--deterministic') == replace(Levers(), **DETERMINISTIC, host_targets=True), \
+        'host_targets keeps the numbers bit for bit'
 
 
 def test_a_runs_cuda_graphs_turns_off_in_one_line_where_a_resume_cannot_use_it(tmp_path, monkeypatch):

@@ -50,8 +50,10 @@ class Levers:
 # seed's difference inside the spread between seeds): channels-last makes the GPU's step faster, and CUDA graphs let
 # the loop reach it; every entry point trains with them on one H200 (bench/RESULTS.md, 2026-12-05). Not on more
 # processes (not measured there) or on CPUs; cuda_graphs only where yolov9_ddp/graphs.py can use it. --levers and
-# --deterministic win over them.
-ONE_GPU_DEFAULTS = {'cuda_graphs': True, 'channels_last': True}
+# --deterministic win over them. host_targets (the same numbers, bit for bit) joined them for the detection tasks
+# after an H100 measured it with dense_box_loss: 1.083x end to end, 3 pairs (bench/RESULTS.md, 2026-12-05, sixth
+# session); alone it leaves 10 of the loss's 109 waits a step, so the host still waits for the GPU's queue.
+ONE_GPU_DEFAULTS = {'cuda_graphs': True, 'channels_last': True, 'host_targets': True}
 
 # the levers that change the arithmetic or let it vary from run to run: --deterministic turns them off
 # (foreach_ema is not one of them: its kernels do upstream's arithmetic, bit for bit, yolov9_ddp/ema.py)

@@ -201,7 +201,7 @@ class Trainer:
         self.weights_dir = self.save_dir / 'weights'
         self.last, self.best = self.weights_dir / 'last.pt', self.weights_dir / 'best.pt'
         self.callbacks = Callbacks()  # actions registered on rank 0 only: other ranks log nothing
-        self.levers = record_levers(opt, graphs.one_gpu_defaults(opt, self.world))  # into opt.yaml, checkpoints
+        self.levers = record_levers(opt, graphs.one_gpu_defaults(opt, self.world, task))  # into opt.yaml, checkpoints
         self.cuda = device.type == 'cuda'
         self.stop = shutdown.StopRequest(shutdown.CHECK_EVERY_CUDA if self.cuda else 1)
         self.writer = checkpoint.CheckpointWriter(LOGGER.warning)  # rank 0's periodic checkpoints
