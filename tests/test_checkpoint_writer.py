@@ -4,7 +4,8 @@ CheckpointWriter completes and writes it off the training thread (yolov9_ddp.che
   - the copy is the state when it was queued, lives in host memory and shares nothing with the state the training
     thread goes on changing (modules, optimizer state, nested containers)
   - the training thread copies the tensors of each dtype with one call; each copy keeps its tensor's memory layout
-    and owns its storage
+    and owns its storage; a module's empty OrderedDicts pickle without copyreg's slot-name lookup, here and in the
+    writer's torch.save
   - one write at a time: a write still running makes the next one skipped (its copy not even queued), with one
     line, and submit() returns at once; wait() ends the write under way
   - the replaced last.pt stays as last.previous.pt
@@ -12,11 +13,12 @@ CheckpointWriter completes and writes it off the training thread (yolov9_ddp.che
   - a write under way when the process exits completes
   - while a write runs, the interpreter's lock changes hands every 0.05 ms (Python's default 5 ms), then as before
 """
+import copyreg
 import re
 import subprocess
 import sys
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from copy import deepcopy
 
 import pytest
@@ -85,6 +87,23 @@ def test_a_host_copy_keeps_the_modules_and_their_parameters():
     assert twice['again'] is twice['model'] and twice['tensor'][0] is twice['tensor'][1]  # held twice, copied once
 
 
+
+def test_a_checkpoints_empty_ordered_dicts_take_no_slot_name_lookup_and_read_back_the_same(tmp_path, monkeypatch):
+    """pickling.Pickler: each module's empty OrderedDicts (its hooks) are pickled as OrderedDict(), not through
+    copyreg._slotnames, in the training thread's half of a checkpoint and in its torch.save alike."""
+    state, _ = training_state()
+    write = lambda: checkpoint.save_atomic(QueuedHostCopy(state).result(), tmp_path / 'last.pt')  # noqa: E731
+    write()  # each class's slot names looked up once, then cached on the class
+    looked_up, lookup = [], copyreg._slotnames
+    monkeypatch.setattr(copyreg, '_slotnames', lambda cls: looked_up.append(cls.__name__) or lookup(cls))
+    write()
+    assert looked_up == []
+    loaded = torch.load(tmp_path / 'last.pt', weights_only=False)
+    for mine, theirs in zip(loaded['model'].modules(), state['model'].modules()):
+        assert {name: type(value) for name, value in vars(mine).items()} == {
+            name: type(value) for name, value in vars(theirs).items()}
+        assert mine._forward_hooks == theirs._forward_hooks == OrderedDict()
+
 class CountedOps(TorchDispatchMode):
     """The torch operators called inside the block, by name, as torch dispatches them."""
 
@@ -142,8 +161,8 @@ def test_the_checkpoint_it_replaces_stays_as_last_previous(tmp_path):
 
 def test_the_interpreters_lock_changes_hands_often_while_a_write_runs_and_as_before_after(tmp_path, monkeypatch):
     intervals, real_save, before = [], torch.save, sys.getswitchinterval()
-    monkeypatch.setattr(checkpoint.torch, 'save', lambda obj, f: (intervals.append(sys.getswitchinterval()),
-                                                                  real_save(obj, f)))
+    monkeypatch.setattr(checkpoint.torch, 'save', lambda obj, f, **kw: (intervals.append(sys.getswitchinterval()),
+                                                                        real_save(obj, f, **kw)))
     with CheckpointWriter(print) as writer:
         assert writer.submit(state_of(1), tmp_path / 'last.pt', 'checkpoint at step 10')
     assert intervals == [pytest.approx(checkpoint.WRITING_SWITCH_INTERVAL_S)] and intervals[0] < before
@@ -156,12 +175,12 @@ def slow_disk(monkeypatch):
     release, lock, running, most = threading.Event(), threading.Lock(), [0], [0]
     real_save = torch.save
 
-    def blocking_save(obj, f):
+    def blocking_save(obj, f, **kw):
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
         release.wait(30)
-        real_save(obj, f)
+        real_save(obj, f, **kw)
         with lock:
             running[0] -= 1
 
@@ -193,7 +212,7 @@ def test_a_failing_write_says_so_in_one_line_and_keeps_the_checkpoints_before_it
         writer.submit(state_of(epoch), last, f'checkpoint at step {epoch}0')
         writer.wait()
 
-    def disk_full(obj, f):
+    def disk_full(obj, f, **kw):
         f.write(b'PK\x03\x04 partial')
         raise OSError(28, 'No space left on device')
 
@@ -214,7 +233,7 @@ EXITS_WHILE_WRITING = '''
 import sys, time, torch
 from yolov9_ddp import checkpoint
 real_save = torch.save
-checkpoint.torch.save = lambda obj, f: (time.sleep(0.5), real_save(obj, f))
+checkpoint.torch.save = lambda obj, f, **kw: (time.sleep(0.5), real_save(obj, f, **kw))
 writer = checkpoint.CheckpointWriter(print)
 writer.submit(lambda: lambda: {'epoch': 5}, sys.argv[1], 'checkpoint at step 50')
 sys.exit(1)  # a failing rank: no wait(), no close()

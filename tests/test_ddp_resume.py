@@ -83,7 +83,7 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatc
     target = tmp_path / 'last.pt'
     checkpoint.save_atomic({'epoch': 1, 'model': torch.zeros(3)}, target)
 
-    def dies_half_way(obj, f):
+    def dies_half_way(obj, f, **kw):
         f.write(b'PK\x03\x04 partial')
         raise KeyboardInterrupt  # what SIGINT raises in the middle of a write
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from yolov9_ddp import pickling
 from yolov9_ddp.comm import Unanimous
 
 FORMAT = 'yolov9-ddp/1'
@@ -51,7 +52,7 @@ def save_atomic(obj, path: Path, keep_previous=False):
     # Through a Python file object, whose writes let go of the GIL: given the file's name, torch's own writer holds
     # it, and a background write cost the training thread 0.43 s a checkpoint instead of 0.28 s (bench/ckpt_cost.py
     # on an H200, bench/results-raw/r3-1gpu-ckpt-cost.json).
-    write_atomic(path, lambda f: torch.save(obj, f), keep_previous)
+    write_atomic(path, lambda f: torch.save(obj, f, pickle_module=pickling), keep_previous)
 
 
 def copy_atomic(source: Path, path: Path):
@@ -138,11 +139,11 @@ class QueuedHostCopy:
         return TensorsBack(io.BytesIO(self.pickled), tensors).load()
 
 
-class TensorsAside(pickle.Pickler):
+class TensorsAside(pickling.Pickler):
     """Pickles all but the tensors, which it sets aside in self.tensors, each once (a tensor held twice is pickled
     once, then referred to). reducer_override rather than persistent_id: the pickler asks it about every object but
     the builtin ones, a third of the calls and of the time (97,065 calls and 0.051 s against 17,277 and 0.034 s for
-    gelan-c and its EMA on a CPU)."""
+    gelan-c and its EMA on a CPU); the empty OrderedDicts it leaves to pickling.Pickler."""
 
     def __init__(self, file):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -150,7 +151,7 @@ class TensorsAside(pickle.Pickler):
 
     def reducer_override(self, obj):
         if not isinstance(obj, torch.Tensor):
-            return NotImplemented
+            return super().reducer_override(obj)
         self.tensors.append(obj)
         return set_aside, (len(self.tensors) - 1,)
 
