@@ -6,6 +6,8 @@ CheckpointWriter completes and writes it off the training thread (yolov9_ddp.che
   - the training thread copies the tensors of each dtype with one call; each copy keeps its tensor's memory layout
     and owns its storage; a module's empty OrderedDicts pickle without copyreg's slot-name lookup, here and in the
     writer's torch.save
+  - the training thread's half reads nothing back from the device: the ranks' own statistics and the grad scaler's
+    state go into the queued copy as copies on their device, and the file holds their values when it was queued
   - one write at a time: a write still running makes the next one skipped (its copy not even queued), with one
     line, and submit() returns at once; wait() ends the write under way
   - the replaced last.pt stays as last.previous.pt
@@ -24,11 +26,13 @@ from copy import deepcopy
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from testsupport.trees import KIT
-from yolov9_ddp import checkpoint
+from yolov9_ddp import checkpoint, position
 from yolov9_ddp.checkpoint import CheckpointWriter, QueuedHostCopy, previous_path
+from yolov9_ddp.ema import norm_statistics
 
 pytestmark = pytest.mark.timeout(60)
 SKIPPED = re.compile(r'^checkpoint at step 20 skipped: the previous write \(\d+\.\d s so far\) is still running$')
@@ -148,6 +152,54 @@ def epoch_of(path) -> int:
     return torch.load(path, weights_only=False)['epoch']
 
 
+
+class ReadsBack(TorchFunctionMode):
+    """The tensor methods called inside the block that read a value back to the host, which on a GPU waits for its
+    queue to drain: .item(), .tolist(), .numpy(), .cpu(), a blocking .to('cpu')."""
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu}
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        to_host = func is torch.Tensor.to and 'cpu' in map(str, [*args[1:], kwargs.get('device')])
+        if func in self.READS or (to_host and not kwargs.get('non_blocking')):
+            self.calls.append(func.__name__)
+        return func(*args, **kwargs)
+
+
+def test_the_training_threads_half_of_a_checkpoint_reads_nothing_back_and_the_file_holds_what_it_did():
+    """The rank's own statistics and the grad scaler's state go into the queued copy as copies on their device
+    (position.rank_state, checkpoint.scaler_state): read with .cpu() and .item(), each was a wait for the GPU."""
+    state, _ = training_state()
+    model, ema, mean_loss = state['model'], state['ema'], torch.tensor([1.5, 2.5, 0.5])
+    scaler = torch.amp.GradScaler('cpu', init_scale=1024.0, growth_interval=3)
+    scaler.scale(mean_loss.sum())  # the first scaled loss makes the scale and growth tracker tensors
+    with ReadsBack() as reads:
+        ranks = [position.rank_state(model, ema, mean_loss)]
+        queued = QueuedHostCopy({'scaler': checkpoint.scaler_state(scaler), 'ranks': ranks})
+    assert reads.calls == []
+    expected = {'norm': [t.clone() for t in norm_statistics(model)],
+                'ema_norm': [t.clone() for t in norm_statistics(ema)], 'mean_loss': mean_loss.clone()}
+    with torch.no_grad():  # the training thread goes on before the writer's thread completes the copy
+        for t in [*norm_statistics(model), *norm_statistics(ema), mean_loss]:
+            t.add_(1)
+    scaler._scale.mul_(2)
+    written = queued.result()
+    assert checkpoint.scaler_numbers(written['scaler']) == {'scale': 1024.0, 'growth_factor': 2.0,
+                                                             'backoff_factor': 0.5, 'growth_interval': 3,
+                                                             '_growth_tracker': 0}
+    scaler._scale.div_(2)
+    assert checkpoint.scaler_numbers(written['scaler']) == scaler.state_dict()
+    for mine in (written['ranks'][0], position.in_host_memory(ranks[0])):
+        assert list(mine) == list(expected) and len(mine['norm']) == len(mine['ema_norm']) == 2
+        assert all(torch.equal(a, b) for key in ('norm', 'ema_norm') for a, b in zip(mine[key], expected[key]))
+        assert torch.equal(mine['mean_loss'], expected['mean_loss'])
+    disabled = torch.amp.GradScaler('cpu', enabled=False)
+    assert checkpoint.scaler_state(disabled) == disabled.state_dict() == {}
+
 def test_the_checkpoint_it_replaces_stays_as_last_previous(tmp_path):
     last, lines = tmp_path / 'last.pt', []
     with CheckpointWriter(lines.append) as writer:
@@ -231,7 +283,7 @@ def test_a_failing_write_says_so_in_one_line_and_keeps_the_checkpoints_before_it
 
 EXITS_WHILE_WRITING = '''
 import sys, time, torch
-from yolov9_ddp import checkpoint
+from yolov9_ddp import checkpoint, position
 real_save = torch.save
 checkpoint.torch.save = lambda obj, f, **kw: (time.sleep(0.5), real_save(obj, f, **kw))
 writer = checkpoint.CheckpointWriter(print)

@@ -201,6 +201,33 @@ def queue_host_copies(tensors: list) -> tuple:
     return copies, landed
 
 
+def host_copies(tensors: list) -> list:
+    """Copies of tensors in host memory, each in its own storage, for one wait for the GPU (queue_host_copies) rather
+    than one each."""
+    copies, landed = queue_host_copies(tensors)
+    if landed is not None:
+        landed.synchronize()
+    return [copy.clone() for copy in copies]
+
+
+def scaler_state(scaler) -> dict:
+    """GradScaler.state_dict(), its scale and growth tracker left as copies on their device, taken in the stream's
+    order: state_dict() reads each with .item(), so the training thread would wait for the GPU's queue to drain at
+    every checkpoint, and the GPU then idle while the thread pickles and queues the rest. The checkpoint's host copy
+    takes the two with its other tensors; scaler_numbers() makes them state_dict()'s numbers again."""
+    scale = scaler._get_scale_async() if scaler.is_enabled() else None
+    if scale is None:  # disabled, or before the first scaled step: state_dict() reads nothing from a device
+        return scaler.state_dict()
+    return {'scale': scale.detach().clone(), 'growth_factor': scaler.get_growth_factor(),
+            'backoff_factor': scaler.get_backoff_factor(), 'growth_interval': scaler.get_growth_interval(),
+            '_growth_tracker': scaler._growth_tracker.detach().clone()}
+
+
+def scaler_numbers(state: dict) -> dict:
+    """scaler_state()'s host copy as GradScaler.state_dict() gives it: numbers only (upstream's files hold those)."""
+    return {key: value.item() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
+
+
 def dense(tensor: torch.Tensor) -> bool:
     """Whether tensor's elements fill its memory without gaps, in the order of one of torch's memory formats."""
     return tensor.layout == torch.strided and any(tensor.is_contiguous(memory_format=memory_format)

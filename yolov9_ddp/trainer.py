@@ -451,7 +451,8 @@ class Trainer:
         statistics go with it)."""
         ranks = None
         if 0 < step:  # at an epoch's start the ranks hold the statistics synchronised at the end of the last
-            ranks = comm.all_gather_object(position.rank_state(self.raw_model, self.ema.ema, mloss))
+            state = position.rank_state(self.raw_model, self.ema.ema, mloss)
+            ranks = comm.all_gather_object(position.in_host_memory(state)) if self.world > 1 else [state]
         return position.Position(epoch, step, self.last_opt_step, int(self.accumulate), self.stopper.best_epoch,
                                  len(self.dataset), self.batch_size, ranks)
 
@@ -660,6 +661,7 @@ class Trainer:
 
         def completed() -> dict:
             ckpt = copy.result()
+            ckpt['scaler'] = checkpoint.scaler_numbers(ckpt['scaler'])
             for key in ('model', 'ema'):
                 ckpt[key].to(memory_format=torch.contiguous_format)
             return ckpt
@@ -673,7 +675,7 @@ class Trainer:
             'ema': self.ema.ema,
             'updates': self.ema.updates,
             'optimizer': self.optimizer.state_dict(),
-            'scaler': self.scaler.state_dict(),
+            'scaler': checkpoint.scaler_state(self.scaler),
             'world_size': self.world,  # a resume on another number of processes says what that changes
             position.KEY: position.record(where),
             'opt': self.recorded_options(),
