@@ -91,12 +91,13 @@ def test_a_host_copy_keeps_the_modules_and_their_parameters():
     assert twice['again'] is twice['model'] and twice['tensor'][0] is twice['tensor'][1]  # held twice, copied once
 
 
-
 def test_a_checkpoints_empty_ordered_dicts_take_no_slot_name_lookup_and_read_back_the_same(tmp_path, monkeypatch):
     """pickling.Pickler: each module's empty OrderedDicts (its hooks) are pickled as OrderedDict(), not through
     copyreg._slotnames, in the training thread's half of a checkpoint and in its torch.save alike."""
     state, _ = training_state()
-    write = lambda: checkpoint.save_atomic(QueuedHostCopy(state).result(), tmp_path / 'last.pt')  # noqa: E731
+
+    def write():
+        checkpoint.save_atomic(QueuedHostCopy(state).result(), tmp_path / 'last.pt')
     write()  # each class's slot names looked up once, then cached on the class
     looked_up, lookup = [], copyreg._slotnames
     monkeypatch.setattr(copyreg, '_slotnames', lambda cls: looked_up.append(cls.__name__) or lookup(cls))
@@ -107,6 +108,7 @@ def test_a_checkpoints_empty_ordered_dicts_take_no_slot_name_lookup_and_read_bac
         assert {name: type(value) for name, value in vars(mine).items()} == {
             name: type(value) for name, value in vars(theirs).items()}
         assert mine._forward_hooks == theirs._forward_hooks == OrderedDict()
+
 
 class CountedOps(TorchDispatchMode):
     """The torch operators called inside the block, by name, as torch dispatches them."""
@@ -139,18 +141,6 @@ def test_a_host_copy_takes_one_copy_call_for_each_dtype_and_keeps_each_tensors_l
     weight = copy['conv'].weight
     assert type(weight) is nn.Parameter and weight.requires_grad and torch.equal(weight, conv.weight)
     assert weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous()
-
-
-# -- the writer --------------------------------------------------------------------------------------------------------
-
-def state_of(epoch: int):
-    """What submit() takes: the training thread's half of a checkpoint, which returns the writer's."""
-    return lambda: lambda: {'epoch': epoch}
-
-
-def epoch_of(path) -> int:
-    return torch.load(path, weights_only=False)['epoch']
-
 
 
 class ReadsBack(TorchFunctionMode):
@@ -188,9 +178,8 @@ def test_the_training_threads_half_of_a_checkpoint_reads_nothing_back_and_the_fi
             t.add_(1)
     scaler._scale.mul_(2)
     written = queued.result()
-    assert checkpoint.scaler_numbers(written['scaler']) == {'scale': 1024.0, 'growth_factor': 2.0,
-                                                             'backoff_factor': 0.5, 'growth_interval': 3,
-                                                             '_growth_tracker': 0}
+    assert checkpoint.scaler_numbers(written['scaler']) == {
+        'scale': 1024.0, 'growth_factor': 2.0, 'backoff_factor': 0.5, 'growth_interval': 3, '_growth_tracker': 0}
     scaler._scale.div_(2)
     assert checkpoint.scaler_numbers(written['scaler']) == scaler.state_dict()
     for mine in (written['ranks'][0], position.in_host_memory(ranks[0])):
@@ -199,6 +188,18 @@ def test_the_training_threads_half_of_a_checkpoint_reads_nothing_back_and_the_fi
         assert torch.equal(mine['mean_loss'], expected['mean_loss'])
     disabled = torch.amp.GradScaler('cpu', enabled=False)
     assert checkpoint.scaler_state(disabled) == disabled.state_dict() == {}
+
+
+# -- the writer --------------------------------------------------------------------------------------------------------
+
+def state_of(epoch: int):
+    """What submit() takes: the training thread's half of a checkpoint, which returns the writer's."""
+    return lambda: lambda: {'epoch': epoch}
+
+
+def epoch_of(path) -> int:
+    return torch.load(path, weights_only=False)['epoch']
+
 
 def test_the_checkpoint_it_replaces_stays_as_last_previous(tmp_path):
     last, lines = tmp_path / 'last.pt', []
