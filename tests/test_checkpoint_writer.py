@@ -284,7 +284,7 @@ def test_a_failing_write_says_so_in_one_line_and_keeps_the_checkpoints_before_it
 
 EXITS_WHILE_WRITING = '''
 import sys, time, torch
-from yolov9_ddp import checkpoint, position
+from yolov9_ddp import checkpoint
 real_save = torch.save
 checkpoint.torch.save = lambda obj, f, **kw: (time.sleep(0.5), real_save(obj, f, **kw))
 writer = checkpoint.CheckpointWriter(print)

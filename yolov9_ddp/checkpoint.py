@@ -201,15 +201,6 @@ def queue_host_copies(tensors: list) -> tuple:
     return copies, landed
 
 
-def host_copies(tensors: list) -> list:
-    """Copies of tensors in host memory, each in its own storage, for one wait for the GPU (queue_host_copies) rather
-    than one each."""
-    copies, landed = queue_host_copies(tensors)
-    if landed is not None:
-        landed.synchronize()
-    return [copy.clone() for copy in copies]
-
-
 def scaler_state(scaler) -> dict:
     """GradScaler.state_dict(), its scale and growth tracker left as copies on their device, taken in the stream's
     order: state_dict() reads each with .item(), so the training thread would wait for the GPU's queue to drain at

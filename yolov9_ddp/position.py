@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from yolov9_ddp.checkpoint import CheckpointError, host_copies
+from yolov9_ddp.checkpoint import CheckpointError, QueuedHostCopy
 from yolov9_ddp.comm import Unanimous
 from yolov9_ddp.ema import norm_statistics
 
@@ -78,10 +78,8 @@ def rank_state(model, ema_model, mean_loss) -> dict:
 
 
 def in_host_memory(state: dict) -> dict:
-    """rank_state() in host memory, for the other ranks to gather: one wait for the GPU (checkpoint.host_copies)."""
-    norm, ema_norm = len(state['norm']), len(state['ema_norm'])
-    copies = host_copies([*state['norm'], *state['ema_norm'], state['mean_loss']])
-    return {'norm': copies[:norm], 'ema_norm': copies[norm:norm + ema_norm], 'mean_loss': copies[-1]}
+    """rank_state() in host memory, for the other ranks to gather: its tensors copied with one wait for the GPU."""
+    return QueuedHostCopy(state).result()
 
 
 def restore_rank_state(ranks: list, rank: int, world: int, model, ema_model):
