@@ -50,10 +50,12 @@ class Levers:
 # seed's difference inside the spread between seeds): channels-last makes the GPU's step faster, and CUDA graphs let
 # the loop reach it; every entry point trains with them on one H200 (bench/RESULTS.md, 2026-12-05). Not on more
 # processes (not measured there) or on CPUs; cuda_graphs only where yolov9_ddp/graphs.py can use it. --levers and
-# --deterministic win over them. host_targets (the same numbers, bit for bit) joined them for the detection tasks
-# after an H100 measured it with dense_box_loss: 1.083x end to end, 3 pairs (bench/RESULTS.md, 2026-12-05, sixth
-# session); alone it leaves 10 of the loss's 109 waits a step, so the host still waits for the GPU's queue.
-ONE_GPU_DEFAULTS = {'cuda_graphs': True, 'channels_last': True, 'host_targets': True}
+# --deterministic win over them. For the detection tasks the two loss levers joined them, measured on an H100
+# (bench/RESULTS.md, 2026-12-05, sixth and seventh sessions): both together trained 1.083x the defaults end to end
+# and dense_box_loss on top of host_targets 1.065x (3 pairs each); dense_box_loss kept parity over 3 seeds (its sums
+# run in another order). host_targets alone did not pay (the defaults without it: 1.008x), as it leaves the box
+# loss's 10 waits a step, so --deterministic, which turns dense_box_loss off, leaves it off (graphs.py).
+ONE_GPU_DEFAULTS = {'cuda_graphs': True, 'channels_last': True, 'host_targets': True, 'dense_box_loss': True}
 
 # the levers that change the arithmetic or let it vary from run to run: --deterministic turns them off
 # (foreach_ema is not one of them: its kernels do upstream's arithmetic, bit for bit, yolov9_ddp/ema.py)
