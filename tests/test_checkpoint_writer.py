@@ -14,14 +14,22 @@ CheckpointWriter completes and writes it off the training thread (yolov9_ddp.che
   - a write that fails says so in one line and leaves the checkpoints before it intact; the next write works
   - a write under way when the process exits completes
   - while a write runs, the interpreter's lock changes hands every 0.05 ms (Python's default 5 ms), then as before
+  - the lever checkpoint_process: a child process writes the file the thread would; its error or its end costs that
+    checkpoint only, in one line, and a new child writes the next; it dies with the process that started it,
+    even mid-write
 """
 import copyreg
+import os
 import re
+import select
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter, OrderedDict
 from copy import deepcopy
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from testsupport.trees import KIT
-from yolov9_ddp import checkpoint, position
+from yolov9_ddp import checkpoint, checkpoint_process, position
 from yolov9_ddp.checkpoint import CheckpointWriter, QueuedHostCopy, previous_path
 from yolov9_ddp.ema import norm_statistics
 
@@ -299,3 +307,121 @@ def test_a_write_under_way_when_the_process_exits_completes(tmp_path):
                             text=True, timeout=60)
     assert result.returncode == 1 and result.stdout == '', result.stderr
     assert epoch_of(last) == 5 and [p.name for p in tmp_path.iterdir()] == ['last.pt']
+
+
+def checkpoint_state() -> dict:
+    """training_state() as a trainer's checkpoint holds it (checkpoint.QueuedCheckpoint): channels-last models and
+    the grad scaler's state."""
+    state, _ = training_state()
+    for key in ('model', 'ema'):
+        state[key].to(memory_format=torch.channels_last)
+    scaler = torch.amp.GradScaler('cpu', init_scale=1024.0)
+    scaler._lazy_init_scale_growth_tracker(torch.device('cpu'))
+    return {**state, 'scaler': checkpoint.scaler_state(scaler)}
+
+
+def same_checkpoint(a: dict, b: dict) -> bool:
+    """The same keys and values; the models' tensors equal, of the same type, layout and requires_grad."""
+    def same(x, y):
+        if isinstance(x, nn.Module):
+            pairs = zip([*x.parameters(), *x.buffers()], [*y.parameters(), *y.buffers()])
+            return type(x) is type(y) and all(type(p) is type(q) and p.stride() == q.stride() and torch.equal(p, q)
+                                              and p.requires_grad == q.requires_grad for p, q in pairs)
+        if isinstance(x, torch.Tensor):
+            return torch.equal(x, y) and x.stride() == y.stride()
+        if isinstance(x, dict):
+            return x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
+        if isinstance(x, (list, tuple)):
+            return len(x) == len(y) and all(map(same, x, y))
+        return x == y
+    return same(a, b)
+
+
+def test_the_writer_process_writes_the_file_the_thread_would_and_says_so_in_one_line_where_it_fails_or_ends(
+        tmp_path):
+    """The lever checkpoint_process: the child writes what the writer's thread writes (upstream's format: the scaler's
+    numbers, the models contiguous); its error, or its end, costs that checkpoint only, in one line; a new child
+    writes the next."""
+    state, lines = checkpoint_state(), []
+    last = tmp_path / 'last.pt'
+    writer = CheckpointWriter(lines.append, checkpoint_process.WriterProcess(lines.append))
+    assert writer.submit(lambda: checkpoint.QueuedCheckpoint(state), last, 'checkpoint at step 10')
+    writer.wait()
+    checkpoint.save_atomic(checkpoint.QueuedCheckpoint(state)(), tmp_path / 'thread.pt')
+    written = torch.load(last, weights_only=False)
+    assert same_checkpoint(written, torch.load(tmp_path / 'thread.pt', weights_only=False)) and lines == []
+    assert written['scaler']['scale'] == 1024.0 and written['model'][0].weight.is_contiguous()
+
+    missing = tmp_path / 'missing' / 'last.pt'
+    assert writer.submit(lambda: checkpoint.QueuedCheckpoint(state), missing, 'checkpoint at step 20')
+    writer.wait()
+    assert len(lines) == 1 and lines.pop().startswith(
+        f'WARNING: checkpoint at step 20 could not be written to {missing} (FileNotFoundError: [Errno 2]')
+
+    def killed_child_then_queued():
+        writer.process.child.kill()
+        writer.process.child.wait()
+        return checkpoint.QueuedCheckpoint({**state, 'epoch': 4})
+    assert writer.submit(killed_child_then_queued, last, 'checkpoint at step 30')
+    writer.wait()
+    assert lines == [f'WARNING: checkpoint at step 30 could not be written to {last} (WriterProcessEnded: the '
+                     'checkpoint writer process ended (SIGKILL)); training goes on, and a resume takes the checkpoint '
+                     'before it']
+    assert writer.submit(lambda: checkpoint.QueuedCheckpoint({**state, 'epoch': 5}), last, 'checkpoint at step 40')
+    writer.close()
+    assert lines[1:] == ['the checkpoint writer process had ended (SIGKILL): starting another']
+    assert (epoch_of(last), epoch_of(previous_path(last))) == (5, 3)
+    assert writer.process.child.returncode == 0, 'close() ends the child: its pipe closed'
+
+
+KILLED_WHILE_ITS_CHILD_WRITES = '''
+import os, signal, sys, torch
+from yolov9_ddp import checkpoint, checkpoint_process
+writer = checkpoint.CheckpointWriter(print, checkpoint_process.WriterProcess(print))
+model = torch.nn.Linear(200, 200)  # 160 kB: more than a pipe holds
+def queue():
+    return checkpoint.QueuedCheckpoint({'epoch': 1, 'model': model, 'ema': model, 'scaler': {}})
+writer.submit(queue, sys.argv[1], 'checkpoint at step 10')
+writer.wait()
+print(writer.process.child.pid, flush=True)
+sys.stdin.readline()  # the test has made the child's next temporary file a pipe it holds
+writer.submit(queue, sys.argv[1], 'checkpoint at step 20')
+writer.wait()  # until the test kills this process
+'''
+
+
+def test_the_writer_process_dies_with_the_process_that_started_it_even_mid_write(tmp_path):
+    """A rank SIGKILLed while its writer process writes: the writer must not outlive it, to put a file in place after
+    the restart has read the one before. The test holds the child's write open (its temporary file a named pipe)."""
+    last = tmp_path / 'last.pt'
+    script = subprocess.Popen([sys.executable, '-c', KILLED_WHILE_ITS_CHILD_WRITES, str(last)], cwd=KIT,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(script.stdout.readline())
+        fifo = checkpoint.temporary_path(last).with_name(f'.last.pt.{child}.tmp')
+        os.mkfifo(fifo)
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        script.stdin.write('go\n')
+        script.stdin.flush()
+        assert select.select([reader], [], [], 30)[0], 'the writer process did not start its write'
+        script.kill()  # with the child blocked in its write: the pipe is full, and nobody reads
+        script.wait(30)
+        assert gone_within(child, 10), 'the writer process outlived the process that started it'
+        os.close(reader)
+    finally:
+        script.kill()
+
+
+def gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not alive(pid)
+
+
+def alive(pid: int) -> bool:
+    """Whether pid runs (a zombie, which a container's first process may never reap, does not)."""
+    try:
+        return Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0] != 'Z'
+    except (OSError, IndexError):
+        return False

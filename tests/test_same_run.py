@@ -114,14 +114,35 @@ def test_a_run_stopped_three_times_mid_epoch_ends_bit_identical(patched_tree, da
 def test_a_sigkilled_rank_restarts_from_its_periodic_checkpoint_bit_identical_with_loader_workers(
         patched_tree, data, reference, tmp_path):
     """Rank 1 is held before step 2 of epoch 1 and killed once the checkpoint after step 1 is recorded: the restart
-    resumes there. Also: 2 loader workers per rank draw the augmentations of none (each sample seeds itself)."""
+    resumes there. Also: 2 loader workers per rank draw the augmentations of none (each sample seeds itself), and
+    rank 0's periodic checkpoints are written by its writer process (the lever checkpoint_process), which rank 0
+    gives 3 s for the checkpoint after step 0 before it takes step 1: a write still running would make the one after
+    step 1 skipped, and nothing would write it while rank 1 holds."""
     project = tmp_path / 'runs'
-    job = launch(patched_tree, tmp_path, 'killed', 2, args(data, project, '--checkpoint-steps', 1, '--workers', 2),
-                 max_restarts=1, script=FAULTY, fault=held(1, 2, ranks=[1]), **NEW_INTERPRETERS)
-    when_saved(job, project / 'exp', [1, 2], lambda: os.kill(workers_of(job, rank=1)[0], signal.SIGKILL))
+    job = launch(patched_tree, tmp_path, 'killed', 2, args(data, project, '--checkpoint-steps', 1, '--workers', 2,
+                                                           '--levers', 'checkpoint_process=1'),
+                 max_restarts=1, script=FAULTY, fault=f'{held(1, 2, ranks=[1])};slow:rank=0:epoch=1:step=1:sleep=3',
+                 **NEW_INTERPRETERS)
+    writers = []
+
+    def kill_rank_1():
+        writers.extend(writer_processes_of(workers_of(job, rank=0)[0]))
+        os.kill(workers_of(job, rank=1)[0], signal.SIGKILL)
+    when_saved(job, project / 'exp', [1, 2], kill_rank_1)
     output = finished(job)
     assert resumed_at(output) == [(1, 2)], output[-3000:]
+    assert len(writers) == 1, 'rank 0 had no writer process'
     assert differences(final_state(project / 'exp', EPOCHS), reference) == []
+
+
+def writer_processes_of(pid: int) -> list:
+    """The checkpoint writer processes (yolov9_ddp/checkpoint_process.py) that pid started."""
+    def command(child):
+        try:
+            return Path(f'/proc/{child}/cmdline').read_bytes()
+        except OSError:
+            return b''
+    return [child for child in children_of(pid) if b'yolov9_ddp.checkpoint_process' in command(child)]
 
 
 def workers_of(job: Job, rank=None) -> list:

@@ -131,12 +131,36 @@ class QueuedHostCopy:
 
     def result(self):
         """The copy, once: its page-locked buffers go back to torch's cache as it returns, before the write."""
-        if self.landed is not None:
-            self.landed.synchronize()  # every queued copy has landed before anything reads the host copies
-        copies, self.copies = self.copies, None
+        copies, self.copies = self.landed_copies(), None
         tensors = [own_tensor(copy, parameter, requires_grad)
                    for copy, (parameter, requires_grad) in zip(copies, self.kinds)]
         return TensorsBack(io.BytesIO(self.pickled), tensors).load()
+
+    def landed_copies(self) -> list:
+        """The host copies of the tensors set aside, once every queued copy has landed (views of shared buffers)."""
+        if self.landed is not None:
+            self.landed.synchronize()
+            self.landed = None
+        return self.copies
+
+    def __getstate__(self):
+        """What a writer process gets (yolov9_ddp/checkpoint_process.py): all but the host copies, which follow as
+        bytes, and the event."""
+        return {**self.__dict__, 'copies': None, 'landed': None}
+
+
+class QueuedCheckpoint(QueuedHostCopy):
+    """A trainer's checkpoint as a QueuedHostCopy, which calling completes in upstream's format (its scripts read
+    ours), wherever that runs (CheckpointWriter's thread or process, or at once for an epoch's save): the grad
+    scaler's numbers (scaler_numbers), the models in the default memory format, which upstream's
+    fuse_conv_and_bn() (a .view) requires."""
+
+    def __call__(self) -> dict:
+        ckpt = self.result()
+        ckpt['scaler'] = scaler_numbers(ckpt['scaler'])
+        for key in ('model', 'ema'):
+            ckpt[key].to(memory_format=torch.contiguous_format)
+        return ckpt
 
 
 class TensorsAside(pickling.Pickler):
@@ -246,8 +270,9 @@ class CheckpointWriter:
     any crash does (save_atomic). Any synchronous save into the same folder must wait() first: in one process both
     writers of a file would use the same temporary file (temporary_path)."""
 
-    def __init__(self, log):
+    def __init__(self, log, process=None):
         self.log = log  # one line per skipped or failed write
+        self.process = process  # a checkpoint_process.WriterProcess, which writes each QueuedCheckpoint (a lever)
         self.thread = None
         self.started = None  # time.monotonic() of the running write's start
 
@@ -266,11 +291,14 @@ class CheckpointWriter:
         is not called; name says which checkpoint this is ('checkpoint at step 1200'). queue(): the training thread's
         half of the checkpoint, called here (a QueuedHostCopy, which nothing else changes); it returns the function
         that completes the checkpoint in the writer's thread. then(): run in the writer's thread once the file is in
-        place (the run's record of its checkpoints)."""
+        place (the run's record of its checkpoints). With a writer process, a QueuedCheckpoint that queue() returns
+        is completed and written there; the writer's thread then only hands it over."""
         if self.running:
             self.log(f'{name} skipped: the previous write ({time.monotonic() - self.started:.1f} s so far) is still '
                      f'running')
             return False
+        if self.process is not None:
+            self.process.start_if_needed()  # here, on the training thread, which the process's life follows
         make = queue()
         self.started = time.monotonic()
         self.thread = threading.Thread(target=self.write, args=(make, Path(path), name, then),
@@ -280,8 +308,11 @@ class CheckpointWriter:
 
     def write(self, make, path: Path, name: str, then):
         try:
-            with switch_interval(WRITING_SWITCH_INTERVAL_S):
-                save_atomic(make(), path, keep_previous=True)
+            if self.process is not None and isinstance(make, QueuedCheckpoint):
+                self.process.write(make, path)
+            else:
+                with switch_interval(WRITING_SWITCH_INTERVAL_S):
+                    save_atomic(make(), path, keep_previous=True)
             if then is not None:
                 then()
         except Exception as e:  # disk full, permissions: no partial file, and the checkpoints before it are intact
@@ -297,6 +328,8 @@ class CheckpointWriter:
     def close(self):
         """The end of training: the last write completes before the run goes on to strip and validate."""
         self.wait()
+        if self.process is not None:
+            self.process.close()
 
 
 def load_checkpoint(path: Path, require_resume_state=False) -> dict:

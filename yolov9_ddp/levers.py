@@ -43,6 +43,7 @@ class Levers:
     fill_uninitialized: bool = False  # under deterministic algorithms, torch's NaN in every new tensor (a memset each)
     host_targets: bool = False  # detection losses get the loader's targets and pad them on the host (patch 0016)
     dense_box_loss: bool = False  # detection box losses over every anchor: no masked_select waits (boxloss.py)
+    checkpoint_process: bool = False  # periodic checkpoints written by a child process (checkpoint_process.py)
 
 
 # The defaults of a new run on one CUDA process, measured there (bench/RESULTS.md, "One-GPU defaults": 2.1x

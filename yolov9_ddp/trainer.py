@@ -31,7 +31,8 @@ from utils.general import (LOGGER, TQDM_BAR_FORMAT, check_dataset, check_img_siz
                            labels_to_image_weights, methods, one_cycle, one_flat_cycle, strip_optimizer,
                            yaml_save)
 from utils.torch_utils import EarlyStopping, ModelEMA, smart_optimizer
-from yolov9_ddp import checkpoint, cli, comm, data, failures, graphs, position, runs, shutdown, slurm, stream
+from yolov9_ddp import (checkpoint, checkpoint_process, cli, comm, data, failures, graphs, position, runs, shutdown,
+                        slurm, stream)
 from yolov9_ddp.demo_data import ensure_demo_dataset
 from yolov9_ddp.ema import EmaUpdater, synchronize_ema
 from yolov9_ddp.levers import (DETERMINISTIC, fused_optimizer, record_levers, requested_levers, resumed_levers,
@@ -204,7 +205,8 @@ class Trainer:
         self.levers = record_levers(opt, graphs.one_gpu_defaults(opt, self.world, task))  # into opt.yaml, checkpoints
         self.cuda = device.type == 'cuda'
         self.stop = shutdown.StopRequest(shutdown.CHECK_EVERY_CUDA if self.cuda else 1)
-        self.writer = checkpoint.CheckpointWriter(LOGGER.warning)  # rank 0's periodic checkpoints
+        process = checkpoint_process.WriterProcess(LOGGER.warning) if self.levers.checkpoint_process else None
+        self.writer = checkpoint.CheckpointWriter(LOGGER.warning, process)  # rank 0's periodic checkpoints
         self.best_fitness = 0.0
         self.start = position.Position(epoch=0)  # where this start continues the run (a resume: its checkpoint's)
         self.pending_signal, self.checkpoint_pending, self.last_checkpoint_time = 0, False, time.monotonic()
@@ -654,18 +656,9 @@ class Trainer:
 
     def queue_host_checkpoint(self, where: position.Position):
         """Upstream's checkpoint (its scripts read ours) with the grad scaler, the world size and the position, as a
-        copy in host memory queued here (checkpoint.QueuedHostCopy) and completed by the function returned (in the
-        writer's thread for a periodic checkpoint): its models then in the default memory format, which upstream's
-        fuse_conv_and_bn() (a .view) requires."""
-        copy = checkpoint.QueuedHostCopy(self.checkpoint_of(where))
-
-        def completed() -> dict:
-            ckpt = copy.result()
-            ckpt['scaler'] = checkpoint.scaler_numbers(ckpt['scaler'])
-            for key in ('model', 'ema'):
-                ckpt[key].to(memory_format=torch.contiguous_format)
-            return ckpt
-        return completed
+        copy in host memory queued here, which calling completes (checkpoint.QueuedCheckpoint: in the writer's thread
+        or process for a periodic checkpoint)."""
+        return checkpoint.QueuedCheckpoint(self.checkpoint_of(where))
 
     def checkpoint_of(self, where: position.Position) -> dict:
         return {

@@ -1,0 +1,168 @@
+"""The lever checkpoint_process: rank 0's periodic checkpoints completed and written by a child process.
+
+CheckpointWriter's thread shares the interpreter's lock with the training thread, and most of a write is Python
+holding it: torch.save asks its persistent_id about each pickled object, about 288,000 for yolov9-s, its EMA and
+the SGD state. On an H100 each periodic checkpoint cost training 0.7 to 0.9 s, of which the training thread's own
+half was 0.23 to 0.35 s (bench/RESULTS.md, seventh session). With this lever the writer's thread only hands the
+queued host copy over a pipe (the lock let go while it waits), and a child process rebuilds the checkpoint and
+writes it as the thread would (QueuedCheckpoint, save_atomic): the same file.
+
+The child is started on the training thread at the first periodic checkpoint, and again, in one line, where it
+has ended; it dies with the process that started it (PR_SET_PDEATHSIG, so a SIGKILLed rank leaves no writer behind
+to finish a file its restart does not expect) and ends when CheckpointWriter.close() closes the pipe.
+
+    python -m yolov9_ddp.checkpoint_process JOBS_FD REPLIES_FD PARENT_PID       (the child; WriterProcess starts it)
+"""
+import ctypes
+import os
+import pickle
+import signal
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from yolov9_ddp.checkpoint import QueuedCheckpoint, save_atomic
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+STOP_WAIT_S = 30
+
+
+class WriterProcessEnded(Exception):
+    """The child ended before it answered: the checkpoint it was given is not written."""
+
+
+class WriterProcess:
+    """The parent's end, as CheckpointWriter's process: start_if_needed() on the training thread, write() in the
+    writer's thread, close() at the end."""
+
+    def __init__(self, log):
+        self.log = log
+        self.child = self.jobs = self.replies = None
+
+    def start_if_needed(self):
+        if self.child is not None and self.child.poll() is None:
+            return
+        if self.child is not None:
+            self.log(f'the checkpoint writer process had ended ({ending(self.child.returncode)}): starting another')
+            self.close()
+        jobs_read, jobs_write = os.pipe()
+        replies_read, replies_write = os.pipe()
+        path = os.pathsep.join(entry for entry in sys.path if entry)  # the clone's modules, which the models pickle
+        self.child = subprocess.Popen(
+            [sys.executable, '-m', __name__, str(jobs_read), str(replies_write), str(os.getpid())],
+            pass_fds=(jobs_read, replies_write), env={**os.environ, 'PYTHONPATH': path})
+        os.close(jobs_read)
+        os.close(replies_write)
+        self.jobs, self.replies = Connection(jobs_write, readable=False), Connection(replies_read, writable=False)
+
+    def write(self, copy: QueuedCheckpoint, path: Path):
+        """save_atomic(copy(), path, keep_previous=True) in the child: the host copies go over as their buffers' bytes.
+        Raises the child's error, or WriterProcessEnded."""
+        buffers, layout = buffers_of(copy.landed_copies())
+        try:
+            self.jobs.send((copy, str(path), layout, [(len(data), dtype) for data, dtype in buffers]))
+            for data, _ in buffers:
+                self.jobs.send_bytes(data)
+            buffers = copy.copies = None  # the page-locked buffers go back to torch's cache
+            error = self.replies.recv()
+        except (EOFError, OSError) as e:
+            raise WriterProcessEnded(f'the checkpoint writer process ended ({ending(self.ended())})') from e
+        if error is not None:
+            raise error
+
+    def ended(self):
+        try:
+            return self.child.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def close(self):
+        """End the child: it sees its jobs' pipe closed once it has written what it was given."""
+        for end in (self.jobs, self.replies):
+            if end is not None:
+                end.close()
+        self.jobs = self.replies = None
+        if self.child is not None and self.ended() is None:
+            self.child.kill()
+            self.child.wait()
+
+
+def ending(returncode) -> str:
+    if returncode is None:
+        return 'not answering'
+    if returncode < 0:
+        return f'{signal.Signals(-returncode).name}'
+    return f'exit code {returncode}'
+
+
+def buffers_of(copies: list) -> tuple:
+    """([(bytes of each buffer the copies view, its dtype)], [(buffer index, offset, shape, stride) of each copy]):
+    QueuedHostCopy's copies are views of one buffer a dtype, or tensors of their own."""
+    index, buffers, layout = {}, [], []
+    for copy in copies:
+        storage = copy.untyped_storage()
+        key = storage.data_ptr(), copy.dtype
+        if key not in index:
+            index[key] = len(buffers)
+            data = torch.empty(0, dtype=torch.uint8).set_(storage).numpy() if storage.nbytes() else b''
+            buffers.append((memoryview(data).cast('B'), copy.dtype))
+        layout.append((index[key], copy.storage_offset(), tuple(copy.shape), copy.stride()))
+    return buffers, layout
+
+
+def tensors_from(buffers: list, layout: list) -> list:
+    """buffers_of()'s copies again, from their buffers' bytes (bytearrays: writable, which torch.frombuffer wants)."""
+    flat = [torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype) for data, dtype in buffers]
+    return [flat[i].as_strided(shape, stride, offset) for i, offset, shape, stride in layout]
+
+
+def serve(jobs: Connection, replies: Connection):
+    """The child: each job written as the writer's thread would, its error (or None) sent back, until the pipe
+    closes."""
+    while True:
+        try:
+            copy, path, layout, sizes = jobs.recv()
+        except EOFError:
+            return
+        buffers = []
+        for size, dtype in sizes:
+            data = bytearray(size)
+            if size:
+                jobs.recv_bytes_into(data)
+            buffers.append((data, dtype))
+        copy.copies = tensors_from(buffers, layout)
+        try:
+            save_atomic(copy(), Path(path), keep_previous=True)
+            replies.send(None)
+        except Exception as e:  # disk full, permissions: the parent says so in one line and trains on
+            replies.send(e if picklable(e) else RuntimeError(f'{type(e).__name__}: {e}'))
+
+
+def picklable(error: Exception) -> bool:
+    try:
+        pickle.loads(pickle.dumps(error))
+        return True
+    except Exception:
+        return False
+
+
+def die_with(parent: int):
+    """SIGKILL when the thread that started this process ends; gone already if it ended before this line."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def main():
+    jobs_fd, replies_fd, parent = map(int, sys.argv[1:4])
+    die_with(parent)
+    torch.set_num_threads(1)  # the loader's workers have the other cores
+    with Connection(jobs_fd, writable=False) as jobs, Connection(replies_fd, readable=False) as replies:
+        serve(jobs, replies)
+
+
+if __name__ == '__main__':
+    main()
