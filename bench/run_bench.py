@@ -388,16 +388,17 @@ class Bench:
         checkpoint with the W after it, which hold none. Its warm-up is shortened to 100 steps (upstream's 3 epochs
         would be the whole run here, its accumulation and learning rate changing under the windows)."""
         window, copies = self.args.window_s, self.size['ckpt_copies']
+        chosen, suffix = kit_levers(self.args.kit_levers)
         data = repeated(self.dataset('main'), copies)
         hyp = self.work / 'hyp-short-warmup.yaml'
         hyp.write_text(re.sub(r'^warmup_epochs: .*$', 'warmup_epochs: 0  # 100 steps, the least',
                               (self.kit / 'data/hyps/hyp.scratch-high.yaml').read_text(), flags=re.M))
-        key = results.checkpoint_key(window / 60, 1)
+        key = results.checkpoint_key(window / 60, 1) + suffix
         series = {'call': self.args.call, 'a': f'{window:g} s without a checkpoint',
                   'b': f'{window:g} s around one periodic checkpoint', 'ratio_is': results.checkpoint_what(
                       window / 60, '1 GPU, windows of one run (bench/ckpt_windows.py)'), 'pairs': []}
         name = 'ckpt-windows-1gpu'
-        args = self.train_cmd(self.kit, 1, data, name, epochs=1, extra=['--noval', '--hyp', hyp])
+        args = self.train_cmd(self.kit, 1, data, name, epochs=1, extra=['--noval', '--hyp', hyp, *chosen])
         script = [KIT / 'bench' / 'ckpt_windows.py', '--window-s', window, '--pairs', self.args.pairs]
         self.series_of_one_job(key, series, name, [*script, *args[len(launcher(1)) + 1:]], 1, lambda pairs: [
             {'a': p['without'], 'b': {**p['with'], 'checkpoints': {  # one in each window of W s
@@ -579,7 +580,8 @@ CALLS = {'per-gpu': Bench.per_gpu, 'scaling': Bench.scaling, 'step': Bench.step,
          'entry-points': Bench.entry_points, 'per-gpu-det': Bench.per_gpu_det, 'loop-lever': Bench.loop_lever,
          'ckpt-minutes': Bench.ckpt_minutes, 'ckpt-windows': Bench.ckpt_windows}
 # the options only some calls read, and which: any other call given one refuses it, rather than measure without it
-READ_BY = {'kit_levers': ('per-gpu', 'per-gpu-det', 'parity', 'entry-points'), 'lever': ('lever', 'loop-lever'),
+READ_BY = {'kit_levers': ('per-gpu', 'per-gpu-det', 'parity', 'entry-points', 'ckpt-windows'),
+           'lever': ('lever', 'loop-lever'),
            'end_to_end': ('loop-lever',), 'checkpoint_minutes': ('ckpt-minutes',), 'quick': ('entry-points',),
            'window_s': ('ckpt-windows',), 'deterministic': ('lever',)}
 # set after that check: None is 'not given'
@@ -820,8 +822,8 @@ def main():
     p.add_argument('--end-to-end', action='store_true', help="loop-lever: the kit with the lever too")
     p.add_argument('--deterministic', action='store_true', help='lever: both runs with --deterministic')
     p.add_argument('--kit-levers', default='',
-                   help="per-gpu, per-gpu-det, parity, entry-points (others refuse it): --levers for the kit's runs; "
-                        'the series keys name them')
+                   help="per-gpu, per-gpu-det, parity, entry-points, ckpt-windows (others refuse it): --levers for the "
+                        "kit's runs; the series keys name them")
     p.add_argument('--checkpoint-minutes', type=float, metavar='M',
                    help="ckpt-minutes: the kit's period; 0.1 (6 s) writes one or two in a timed epoch of 2048 images "
                         '(about 14 s; a save at the epoch end restarts the clock, so 0.25 would write none there)')
