@@ -159,6 +159,7 @@ def die_with(parent: int):
 def main():
     jobs_fd, replies_fd, parent = map(int, sys.argv[1:4])
     die_with(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the rank decides, this follows
     torch.set_num_threads(1)  # the loader's workers have the other cores
     with Connection(jobs_fd, writable=False) as jobs, Connection(replies_fd, readable=False) as replies:
         serve(jobs, replies)
