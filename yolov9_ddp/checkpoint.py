@@ -291,7 +291,7 @@ class CheckpointWriter:
         is not called; name says which checkpoint this is ('checkpoint at step 1200'). queue(): the training thread's
         half of the checkpoint, called here (a QueuedHostCopy, which nothing else changes); it returns the function
         that completes the checkpoint in the writer's thread. then(): run in the writer's thread once the file is in
-        place (the run's record of its checkpoints). With a writer process, a QueuedCheckpoint that queue() returns
+        place (the run's record of its checkpoints). With a writer process, queue() returns a QueuedCheckpoint, which
         is completed and written there; the writer's thread then only hands it over."""
         if self.running:
             self.log(f'{name} skipped: the previous write ({time.monotonic() - self.started:.1f} s so far) is still '
@@ -308,7 +308,7 @@ class CheckpointWriter:
 
     def write(self, make, path: Path, name: str, then):
         try:
-            if self.process is not None and isinstance(make, QueuedCheckpoint):
+            if self.process is not None:
                 self.process.write(make, path)
             else:
                 with switch_interval(WRITING_SWITCH_INTERVAL_S):

@@ -94,7 +94,7 @@ def ending(returncode) -> str:
     if returncode is None:
         return 'not answering'
     if returncode < 0:
-        return f'{signal.Signals(-returncode).name}'
+        return signal.Signals(-returncode).name
     return f'exit code {returncode}'
 
 
