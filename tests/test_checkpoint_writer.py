@@ -16,9 +16,11 @@ CheckpointWriter completes and writes it off the training thread (yolov9_ddp.che
   - while a write runs, the interpreter's lock changes hands every 0.05 ms (Python's default 5 ms), then as before
   - the lever checkpoint_process: a child process writes the file the thread would; its error or its end costs that
     checkpoint only, in one line, and a new child writes the next; it dies with the process that started it,
-    even mid-write, and not on a SIGINT
+    even mid-write, and not on a SIGINT; started ahead of the first checkpoint, it ends at close() though forked
+    workers hold its pipe
 """
 import copyreg
+import multiprocessing
 import os
 import re
 import select
@@ -372,6 +374,27 @@ def test_the_writer_process_writes_the_file_the_thread_would_and_says_so_in_one_
     assert lines[1:] == ['the checkpoint writer process had ended (SIGKILL): starting another']
     assert (epoch_of(last), epoch_of(previous_path(last))) == (5, 3)
     assert writer.process.child.returncode == 0, 'close() ends the child: its pipe closed'
+
+
+def test_the_writer_process_started_ahead_ends_at_close_though_a_forked_worker_holds_its_pipe(tmp_path):
+    """The trainer starts the child as it sets up, before the loader forks its workers, which then hold copies of
+    the pipe's ends: close() must still end the child at once (it did after 30 s, killing it), having written what
+    it was given. And a child ended by a signal without a name is still said in one line."""
+    last, lines = tmp_path / 'last.pt', []
+    writer = CheckpointWriter(lines.append, checkpoint_process.WriterProcess(lines.append))
+    writer.start_process()
+    child = writer.process.child
+    worker = multiprocessing.get_context('fork').Process(target=time.sleep, args=(60,))
+    worker.start()
+    try:
+        assert writer.submit(lambda: checkpoint.QueuedCheckpoint(checkpoint_state()), last, 'checkpoint at step 10')
+        started = time.monotonic()
+        writer.close()
+        assert time.monotonic() - started < 10 and child.returncode == 0 and lines == []
+        assert (writer.process.child is child) and epoch_of(last) == 3, 'one child, started ahead, wrote the file'
+    finally:
+        worker.kill()
+    assert checkpoint_process.ending(-(signal.SIGRTMIN + 1)) == f'signal {signal.SIGRTMIN + 1}'
 
 
 KILLED_WHILE_ITS_CHILD_WRITES = '''

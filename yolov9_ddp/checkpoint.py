@@ -286,6 +286,11 @@ class CheckpointWriter:
     def running(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
 
+    def start_process(self):
+        """The writer process, if any, started now, ahead of the first checkpoint (on the training thread)."""
+        if self.process is not None:
+            self.process.start_if_needed()
+
     def submit(self, queue, path: Path, name: str, then=None) -> bool:
         """Write a checkpoint to path, unless the previous write still runs: then skip it with one line, and queue()
         is not called; name says which checkpoint this is ('checkpoint at step 1200'). queue(): the training thread's
@@ -297,8 +302,7 @@ class CheckpointWriter:
             self.log(f'{name} skipped: the previous write ({time.monotonic() - self.started:.1f} s so far) is still '
                      f'running')
             return False
-        if self.process is not None:
-            self.process.start_if_needed()  # here, on the training thread, which the process's life follows
+        self.start_process()  # again where it has ended; on the training thread, which the process's life follows
         make = queue()
         self.started = time.monotonic()
         self.thread = threading.Thread(target=self.write, args=(make, Path(path), name, then),

@@ -7,9 +7,11 @@ half was 0.23 to 0.35 s (bench/RESULTS.md, seventh session). With this lever the
 queued host copy over a pipe (the lock let go while it waits), and a child process rebuilds the checkpoint and
 writes it as the thread would (QueuedCheckpoint, save_atomic): the same file.
 
-The child is started on the training thread at the first periodic checkpoint, and again, in one line, where it
-has ended; it dies with the process that started it (PR_SET_PDEATHSIG, so a SIGKILLed rank leaves no writer behind
-to finish a file its restart does not expect) and ends when CheckpointWriter.close() closes the pipe.
+The child is started on the training thread as training is set up (its imports take 1 to 2 s, which the first
+checkpoint would otherwise wait for), and again, in one line, at a checkpoint where it has ended; it dies with the
+process that started it (PR_SET_PDEATHSIG, so a SIGKILLed rank leaves no writer behind to finish a file its restart
+does not expect) and ends when CheckpointWriter.close() tells it to (a message, not the pipe's end: the loader's
+workers, forked after it started, hold copies of the pipe's ends).
 
     python -m yolov9_ddp.checkpoint_process JOBS_FD REPLIES_FD PARENT_PID       (the child; WriterProcess starts it)
 """
@@ -28,6 +30,7 @@ from yolov9_ddp.checkpoint import QueuedCheckpoint, save_atomic
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 STOP_WAIT_S = 30
+STOP = 'stop'  # the last message a child gets
 
 
 class WriterProcessEnded(Exception):
@@ -80,7 +83,12 @@ class WriterProcess:
             return None
 
     def close(self):
-        """End the child: it sees its jobs' pipe closed once it has written what it was given."""
+        """End the child: it ends at the message STOP, once it has written what it was given."""
+        try:
+            if self.jobs is not None:
+                self.jobs.send(STOP)
+        except OSError:  # the child has ended
+            pass
         for end in (self.jobs, self.replies):
             if end is not None:
                 end.close()
@@ -94,7 +102,10 @@ def ending(returncode) -> str:
     if returncode is None:
         return 'not answering'
     if returncode < 0:
-        return signal.Signals(-returncode).name
+        try:
+            return signal.Signals(-returncode).name
+        except ValueError:  # the realtime signals between SIGRTMIN and SIGRTMAX have no names
+            return f'signal {-returncode}'
     return f'exit code {returncode}'
 
 
@@ -120,13 +131,16 @@ def tensors_from(buffers: list, layout: list) -> list:
 
 
 def serve(jobs: Connection, replies: Connection):
-    """The child: each job written as the writer's thread would, its error (or None) sent back, until the pipe
-    closes."""
+    """The child: each job written as the writer's thread would, its error (or None) sent back, until STOP (or the
+    pipe's end: its parent gone, with every process that inherited the pipe)."""
     while True:
         try:
-            copy, path, layout, sizes = jobs.recv()
+            job = jobs.recv()
         except EOFError:
             return
+        if job == STOP:
+            return
+        copy, path, layout, sizes = job
         buffers = []
         for size, dtype in sizes:
             data = bytearray(size)

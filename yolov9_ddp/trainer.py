@@ -216,6 +216,8 @@ class Trainer:
 
     def setup(self):
         opt = self.opt
+        if self.primary and (opt.checkpoint_steps or opt.checkpoint_minutes):
+            self.writer.start_process()  # the lever checkpoint_process: its imports while the run sets up
         self.hyp = self.load_hyp()
         if self.primary:
             yaml_save(self.save_dir / 'hyp.yaml', self.hyp)
