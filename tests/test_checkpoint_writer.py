@@ -373,7 +373,7 @@ def test_the_writer_process_writes_the_file_the_thread_would_and_says_so_in_one_
     writer.close()
     assert lines[1:] == ['the checkpoint writer process had ended (SIGKILL): starting another']
     assert (epoch_of(last), epoch_of(previous_path(last))) == (5, 3)
-    assert writer.process.child.returncode == 0, 'close() ends the child: its pipe closed'
+    assert writer.process.child.returncode == 0, 'close() ends the child: its last message'
 
 
 def test_the_writer_process_started_ahead_ends_at_close_though_a_forked_worker_holds_its_pipe(tmp_path):

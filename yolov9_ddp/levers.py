@@ -58,7 +58,8 @@ class Levers:
 # loss's 10 waits a step, so --deterministic, which turns dense_box_loss off, leaves it off (graphs.py).
 # checkpoint_process joined them in the eighth session (H100, 3 pairs each, two calls on one machine): a periodic
 # checkpoint every minute cost 0.7% with it (0.9934) and 1.9% with the writer's thread (0.9814); the 10 steps
-# holding a checkpoint lost 0.07-0.34 s with the process, 0.53-0.67 s with the thread.
+# holding a checkpoint lost 0.07-0.34 s with the process, 0.53-0.67 s with the thread. It was judged by the latter:
+# each call's pairs spread wider (0.96-1.01) than either cost.
 ONE_GPU_DEFAULTS = {'cuda_graphs': True, 'channels_last': True, 'host_targets': True, 'dense_box_loss': True,
                     'checkpoint_process': True}
 
