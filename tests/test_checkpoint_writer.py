@@ -17,7 +17,8 @@ CheckpointWriter completes and writes it off the training thread (yolov9_ddp.che
   - the lever checkpoint_process: a child process writes the file the thread would; its error or its end costs that
     checkpoint only, in one line, and a new child writes the next; it dies with the process that started it,
     even mid-write, and not on a SIGINT; started ahead of the first checkpoint, it ends at close() though forked
-    workers hold its pipe
+    workers hold its pipe; where none can start, or two in a row end while writing, the thread writes the
+    checkpoints, after one line
 """
 import copyreg
 import multiprocessing
@@ -395,6 +396,43 @@ def test_the_writer_process_started_ahead_ends_at_close_though_a_forked_worker_h
     finally:
         worker.kill()
     assert checkpoint_process.ending(-(signal.SIGRTMIN + 1)) == f'signal {signal.SIGRTMIN + 1}'
+
+
+def test_the_writers_thread_takes_over_where_no_writer_process_starts_or_two_in_a_row_end_while_writing(
+        tmp_path, monkeypatch):
+    """The lever is a default: whatever keeps its child from writing (an interpreter that does not start, children
+    killed mid-write, say by a memory limit) must not cost every checkpoint. The thread writes them, after one line."""
+    state, lines = checkpoint_state(), []
+    last = tmp_path / 'last.pt'
+    writer = CheckpointWriter(lines.append, checkpoint_process.WriterProcess(lines.append))
+
+    def killed_child_then_queued():
+        writer.process.child.kill()
+        writer.process.child.wait()
+        return checkpoint.QueuedCheckpoint(state)
+    for step in (10, 20):
+        assert writer.submit(killed_child_then_queued, last, f'checkpoint at step {step}')
+        writer.wait()
+    assert writer.submit(lambda: checkpoint.QueuedCheckpoint({**state, 'epoch': 5}), last, 'checkpoint at step 30')
+    writer.close()
+    assert [line.split(' (')[0] for line in lines[:3]] == [
+        f'WARNING: checkpoint at step 10 could not be written to {last}',
+        'the checkpoint writer process had ended',
+        f'WARNING: checkpoint at step 20 could not be written to {last}']
+    assert lines[3:] == ['WARNING: 2 checkpoint writer processes in a row ended while writing (the last: SIGKILL); '
+                         "the writer's thread writes the checkpoints from now on"]
+    assert writer.process is None and epoch_of(last) == 5, 'the thread wrote the third'
+
+    monkeypatch.setattr(sys, 'executable', str(tmp_path / 'no-python'))
+    lines.clear()
+    writer = CheckpointWriter(lines.append, checkpoint_process.WriterProcess(lines.append))
+    writer.start_process()
+    assert writer.submit(lambda: checkpoint.QueuedCheckpoint({**state, 'epoch': 6}), last, 'checkpoint at step 40')
+    writer.close()
+    assert len(lines) == 1 and lines[0].startswith('WARNING: the checkpoint writer process could not start '
+                                                   '(FileNotFoundError: ') and lines[0].endswith(
+        "the writer's thread writes the checkpoints")
+    assert writer.process is None and epoch_of(last) == 6
 
 
 KILLED_WHILE_ITS_CHILD_WRITES = '''

@@ -287,9 +287,10 @@ class CheckpointWriter:
         return self.thread is not None and self.thread.is_alive()
 
     def start_process(self):
-        """The writer process, if any, started now, ahead of the first checkpoint (on the training thread)."""
-        if self.process is not None:
-            self.process.start_if_needed()
+        """The writer process, if any, started now, ahead of the first checkpoint (on the training thread); where it
+        cannot be (WriterProcess.start_if_needed says why), the thread writes from now on."""
+        if self.process is not None and not self.process.start_if_needed():
+            self.process = None
 
     def submit(self, queue, path: Path, name: str, then=None) -> bool:
         """Write a checkpoint to path, unless the previous write still runs: then skip it with one line, and queue()

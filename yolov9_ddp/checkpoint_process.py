@@ -5,13 +5,16 @@ holding it: torch.save asks its persistent_id about each pickled object, about 2
 the SGD state. On an H100 each periodic checkpoint cost training 0.7 to 0.9 s, of which the training thread's own
 half was 0.23 to 0.35 s (bench/RESULTS.md, seventh session). With this lever the writer's thread only hands the
 queued host copy over a pipe (the lock let go while it waits), and a child process rebuilds the checkpoint and
-writes it as the thread would (QueuedCheckpoint, save_atomic): the same file.
+writes it as the thread would (QueuedCheckpoint, save_atomic): the same file. On the H100 the 10 steps holding a
+checkpoint then lost 0.07 to 0.34 s, against 0.53 to 0.67 s with the thread (eighth session): a one-GPU default.
 
 The child is started on the training thread as training is set up (its imports take 1 to 2 s, which the first
 checkpoint would otherwise wait for), and again, in one line, at a checkpoint where it has ended; it dies with the
 process that started it (PR_SET_PDEATHSIG, so a SIGKILLed rank leaves no writer behind to finish a file its restart
 does not expect) and ends when CheckpointWriter.close() tells it to (a message, not the pipe's end: the loader's
-workers, forked after it started, hold copies of the pipe's ends).
+workers, forked after it started, hold copies of the pipe's ends). Where none can start, or GIVE_UP_AFTER in a row
+end while writing, the writer's thread writes the checkpoints from then on, after one line: a default lever must
+not cost every checkpoint.
 
     python -m yolov9_ddp.checkpoint_process JOBS_FD REPLIES_FD PARENT_PID       (the child; WriterProcess starts it)
 """
@@ -31,6 +34,7 @@ from yolov9_ddp.checkpoint import QueuedCheckpoint, save_atomic
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 STOP_WAIT_S = 30
 STOP = 'stop'  # the last message a child gets
+GIVE_UP_AFTER = 2  # children in a row that ended while writing
 
 
 class WriterProcessEnded(Exception):
@@ -44,21 +48,45 @@ class WriterProcess:
     def __init__(self, log):
         self.log = log
         self.child = self.jobs = self.replies = None
+        self.ended_in_a_row = 0  # children that ended while writing, since the last one that answered
 
-    def start_if_needed(self):
+    def start_if_needed(self) -> bool:
+        """Whether a child runs for the next checkpoint: one is started where none runs, in one line where one has
+        ended; False, in one line, where none can start or GIVE_UP_AFTER children in a row ended while writing
+        (whatever kills them would cost every checkpoint: the writer's thread writes them instead)."""
         if self.child is not None and self.child.poll() is None:
-            return
+            return True
         if self.child is not None:
-            self.log(f'the checkpoint writer process had ended ({ending(self.child.returncode)}): starting another')
+            how = ending(self.child.returncode)
             self.close()
+            if self.ended_in_a_row >= GIVE_UP_AFTER:
+                self.log(f'WARNING: {self.ended_in_a_row} checkpoint writer processes in a row ended while writing '
+                         f'(the last: {how}); the writer\'s thread writes the checkpoints from now on')
+                return False
+            self.log(f'the checkpoint writer process had ended ({how}): starting another')
+        try:
+            self.start()
+        except OSError as e:
+            self.log(f'WARNING: the checkpoint writer process could not start ({type(e).__name__}: {e}); the '
+                     f'writer\'s thread writes the checkpoints')
+            return False
+        return True
+
+    def start(self):
         jobs_read, jobs_write = os.pipe()
         replies_read, replies_write = os.pipe()
         path = os.pathsep.join(entry for entry in sys.path if entry)  # the clone's modules, which the models pickle
-        self.child = subprocess.Popen(
-            [sys.executable, '-m', __name__, str(jobs_read), str(replies_write), str(os.getpid())],
-            pass_fds=(jobs_read, replies_write), env={**os.environ, 'PYTHONPATH': path})
-        os.close(jobs_read)
-        os.close(replies_write)
+        try:
+            self.child = subprocess.Popen(
+                [sys.executable, '-m', __name__, str(jobs_read), str(replies_write), str(os.getpid())],
+                pass_fds=(jobs_read, replies_write), env={**os.environ, 'PYTHONPATH': path})
+        except OSError:
+            os.close(jobs_write)
+            os.close(replies_read)
+            raise
+        finally:
+            os.close(jobs_read)
+            os.close(replies_write)
         self.jobs, self.replies = Connection(jobs_write, readable=False), Connection(replies_read, writable=False)
 
     def write(self, copy: QueuedCheckpoint, path: Path):
@@ -72,7 +100,9 @@ class WriterProcess:
             buffers = copy.copies = None  # the page-locked buffers go back to torch's cache
             error = self.replies.recv()
         except (EOFError, OSError) as e:
+            self.ended_in_a_row += 1
             raise WriterProcessEnded(f'the checkpoint writer process ended ({ending(self.ended())})') from e
+        self.ended_in_a_row = 0
         if error is not None:
             raise error
 
