@@ -16,9 +16,9 @@ CheckpointWriter completes and writes it off the training thread (yolov9_ddp.che
   - while a write runs, the interpreter's lock changes hands every 0.05 ms (Python's default 5 ms), then as before
   - the lever checkpoint_process: a child process writes the file the thread would; its error or its end costs that
     checkpoint only, in one line, and a new child writes the next; it dies with the process that started it,
-    even mid-write, and not on a SIGINT; started ahead of the first checkpoint, it ends at close() though forked
-    workers hold its pipe; where none can start, or two in a row end while writing, the thread writes the
-    checkpoints, after one line
+    even mid-write, and not on a SIGINT or SIGTERM; started ahead of the first checkpoint, it ends at close()
+    though forked workers hold its pipe; where none can start, or two in a row end while writing, the thread
+    writes the checkpoints, after one line
 """
 import copyreg
 import multiprocessing
@@ -454,7 +454,7 @@ writer.wait()  # until the test kills this process
 def test_the_writer_process_dies_with_the_process_that_started_it_even_mid_write(tmp_path):
     """A rank SIGKILLed while its writer process writes: the writer must not outlive it, to put a file in place after
     the restart has read the one before. The test holds the child's write open (its temporary file a named pipe).
-    A SIGINT (Ctrl-C) does not end it: its rank decides."""
+    A SIGINT (Ctrl-C) or SIGTERM (Slurm signals every process of a job) does not end it: its rank decides."""
     last = tmp_path / 'last.pt'
     script = subprocess.Popen([sys.executable, '-c', KILLED_WHILE_ITS_CHILD_WRITES, str(last)], cwd=KIT,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -466,9 +466,10 @@ def test_the_writer_process_dies_with_the_process_that_started_it_even_mid_write
         script.stdin.write('go\n')
         script.stdin.flush()
         assert select.select([reader], [], [], 30)[0], 'the writer process did not start its write'
-        os.kill(child, signal.SIGINT)  # a Ctrl-C reaches the whole group: the child leaves it to its rank
+        for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C's, Slurm's: the child leaves them to its rank
+            os.kill(child, signum)
         time.sleep(0.5)
-        assert alive(child), 'the writer process ended on SIGINT'
+        assert alive(child), 'the writer process ended on SIGINT or SIGTERM'
         script.kill()  # with the child blocked in its write: the pipe is full, and nobody reads
         script.wait(30)
         assert gone_within(child, 10), 'the writer process outlived the process that started it'

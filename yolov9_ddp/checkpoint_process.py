@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from yolov9_ddp import shutdown
 from yolov9_ddp.checkpoint import QueuedCheckpoint, save_atomic
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -203,7 +204,8 @@ def die_with(parent: int):
 def main():
     jobs_fd, replies_fd, parent = map(int, sys.argv[1:4])
     die_with(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the rank decides, this follows
+    for signum in shutdown.HANDLED:  # Ctrl-C reaches the whole group, Slurm's SIGTERM every process of the job:
+        signal.signal(signum, signal.SIG_IGN)  # the rank decides (shutdown.py), and this ends with it or at STOP
     torch.set_num_threads(1)  # the loader's workers have the other cores
     with Connection(jobs_fd, writable=False) as jobs, Connection(replies_fd, readable=False) as replies:
         serve(jobs, replies)
