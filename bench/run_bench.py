@@ -65,7 +65,7 @@ sys.path.insert(0, str(KIT))
 from bench import photo_data, prepare_trees, results  # noqa: E402
 from testsupport import imagecache  # noqa: E402
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset, generated_dataset  # noqa: E402
-from yolov9_ddp.levers import DETERMINISTIC  # noqa: E402
+from yolov9_ddp.levers import DETERMINISTIC, LOSS_LEVERS  # noqa: E402
 from yolov9_ddp.tasks import TASKS  # noqa: E402
 
 NCCL_SAFETY = {'NCCL_NVLS_ENABLE': '0', 'TORCH_SYMM_MEM_DISABLE_MULTICAST': '1', 'NVSHMEM_DISABLE_NVLS': '1'}
@@ -523,9 +523,10 @@ class Bench:
     def entry_points(self):
         """Each kit entry point trains a whole short run on N GPUs (NCCL) with an upstream model of its kind, on its
         task's demo data (boxes; polygons for segmentation): the in-loop img/s of its last epoch, its final metrics.
-        --kit-levers L: with --levers L, recorded as 'NAME (--levers L)'."""
+        --kit-levers L: with --levers L, recorded as 'NAME (--levers L)'; the segmentation entry points, which refuse
+        the detection losses' levers, without those."""
         n, size = self.n, self.size['quick_entry' if self.args.quick else 'entry']
-        chosen, suffix = kit_levers(self.args.kit_levers)
+        _, suffix = kit_levers(self.args.kit_levers)
         record = self.record.setdefault('entry_points', {})
         for name, task in TASKS.items():
             if self.elapsed() > self.deadline:
@@ -535,6 +536,7 @@ class Bench:
                             labels='polygons' if task.masks else 'boxes')
             data = ensure_demo_dataset(self.work / f'entry-data-{spec.labels}', spec)
             cfg = ENTRY_POINT_CFGS[name] if self.cuda else str(KIT / 'yolov9_ddp' / 'models' / task.demo_cfg)
+            chosen, _ = kit_levers(levers_of_task(self.args.kit_levers, task))
             cmd = self.train_cmd(self.kit, n, data, f'entry-{name}', epochs=size['epochs'], cfg=cfg,
                                  imgsz=size['imgsz'], batch=size['batch_per_gpu'] * n, extra=chosen)
             cmd[len(launcher(n))] = task.script
@@ -629,6 +631,14 @@ def kit_levers(lever: str):
     """--kit-levers L: the kit's runs train with --levers L, and the series keys say so (' (--levers L)'), so that
     such a series never stands for a target, which is the defaults'."""
     return (['--levers', lever], f' (--levers {lever})') if lever else ([], '')
+
+
+def levers_of_task(lever: str, task) -> str:
+    """--kit-levers L as the task's entry point takes it: without the detection losses' levers where its loss takes
+    none (cli refuses them there)."""
+    if not lever or task.takes_loss_levers:
+        return lever
+    return ','.join(item for item in lever.split(',') if item.split('=')[0].strip() not in LOSS_LEVERS)
 
 
 def ratio(numerator: dict, denominator: dict, figure: str) -> float:

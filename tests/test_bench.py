@@ -10,6 +10,7 @@ import torch
 
 from bench import results, run_bench
 from testsupport.trees import KIT, cache_dir, describe
+from yolov9_ddp.tasks import TASKS
 
 REQUIRED = ['per_gpu_vs_upstream_2gpu', 'scaling_2gpu', 'in_loop_vs_gpu_only', 'gpu_only_vs_upstream_settings',
             'val_2gpu_vs_rank0', 'parity_map50_95_points', 'ram_cache_2ranks_vs_1rank']  # issue 15's keys
@@ -60,6 +61,13 @@ def test_a_series_of_the_kit_with_other_levers_than_its_defaults_never_stands_fo
                                           f'{results.PARITY}{suffix}/numerics': series(0.1, 0.2, 0.3)}), {})
     assert merged['targets']['per_gpu_vs_upstream_1gpu'] is None and merged['targets'][results.PARITY] is None
     assert merged['pairs'][f'per_gpu_vs_upstream_1gpu{suffix}']['median'] == 2.1
+
+
+def test_entry_points_leave_the_detection_losses_levers_out_of_the_segmentation_entry_points():
+    asked = 'cuda_graphs=1,host_targets=1,dense_box_loss=0'
+    assert run_bench.levers_of_task(asked, TASKS['segment-dual']) == 'cuda_graphs=1', 'cli would refuse them'
+    assert run_bench.levers_of_task('host_targets=1', TASKS['segment']) == ''
+    assert run_bench.levers_of_task(asked, TASKS['detect']) == asked
 
 
 def test_an_option_the_call_does_not_read_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
