@@ -73,7 +73,7 @@ def main():
     writers = {'thread': checkpoint.CheckpointWriter(print),
                'process': checkpoint.CheckpointWriter(print, checkpoint_process.WriterProcess(print))}
     writers['process'].submit(lambda: checkpoint.QueuedCheckpoint(state), folder / 'warm.pt', 'warm-up')
-    writers['process'].wait()  # a run's first periodic checkpoint starts the process; the later ones find it
+    writers['process'].wait()  # a run starts the process as it sets up; its checkpoints find it warm
     rounds = []
     for _ in range(args.rounds):
         none = window(None, state, folder / 'none.pt', args.window_s)
