@@ -12,8 +12,9 @@ window's img/s is its batches over the time from the first to the last of its st
 steps after waiting for the GPU (the kit's loop waits for it there anyway, to print its losses). The run stops
 after the P-th pair, about (2P + 1.5) W seconds after the Trainer starts. Each pair also says where its checkpoint's
 cost fell: its seconds on the training thread and in the writer's (each also as the thread's CPU seconds, and the
-writer's until the host copy was complete), the img/s between stamps from 5 s before it to 20 s after, and the
-seconds of garbage collection in each window.
+writer's until the host copy was complete, where the thread completes it), until its file was in place, the img/s
+between stamps from 5 s before it to 20 s after, and the seconds of garbage collection in each window. A checkpoint
+of the pairs that was not written (skipped, failed) ends the call in one line: its pair would measure nothing.
 
 Why one run: two runs per pair would each need epochs of minutes to hold a checkpoint a minute, and 3 pairs of
 them do not fit one 10-minute device call; windows of one run share the process, the data stream and the GPU's
@@ -42,6 +43,10 @@ class Enough(Exception):
 
 class TooShort(Exception):
     """The epoch ended before the windows did."""
+
+
+class NotWritten(Exception):
+    """A checkpoint of the windows was skipped or failed: its pair would time a checkpoint that did not happen."""
 
 
 class Windows:
@@ -88,6 +93,10 @@ class Windows:
 
     def pairs_of(self, batch: int) -> list:
         half, taken = self.window_s / 2, self.checkpoints[:self.pairs]
+        unwritten = [k + 1 for k, part in enumerate(self.parts[:self.pairs]) if 'written_s' not in part]
+        if unwritten:
+            raise NotWritten(f'checkpoint {", ".join(map(str, unwritten))} of the windows was not written (the run\'s '
+                             'log says why): its pair would time a checkpoint that did not happen')
         started = self.stamps[0][0]
         return [{'checkpoint_at_s': round(c - started, 1), 'without': self.rate(c + half, c + 3 * half, batch),
                  'with': self.rate(c - half, c + half, batch),
@@ -116,11 +125,16 @@ def instrument(trainer, windows: Windows):
     def timed_write(make, path, name, then):
         part, started, cpu = windows.parts[-1], windows.clock(), time.thread_time()
 
-        def timed_make():
+        def timed_make():  # the writer's thread completes the host copy (a writer process does, in the child)
             made = make()
             part['completed_s'] = round(windows.clock() - started, 3)
             return made
-        write(timed_make, path, name, then)
+
+        def timed_then():  # the file is in place
+            part['written_s'] = round(windows.clock() - started, 3)
+            if then is not None:
+                then()
+        write(make if trainer.writer.process is not None else timed_make, path, name, timed_then)
         part.update(write_s=round(windows.clock() - started, 3), write_cpu_s=round(time.thread_time() - cpu, 3))
 
     collection = {}
@@ -160,11 +174,14 @@ def main():
             raise SystemExit(f'ckpt_windows.py: {e}') from None
         finally:
             trainer.close()  # a checkpoint write under way ends first
+        try:
+            pairs = windows.pairs_of(trainer.batch_size)
+        except NotWritten as e:
+            raise SystemExit(f'ckpt_windows.py: {e}') from None
         args.out.write_text(json.dumps({
             'window_s': args.window_s, 'checkpoint_minutes': opt.checkpoint_minutes, 'levers': opt.levers,
             'batch': trainer.batch_size,
-            'checkpoints_at_s': [round(c - windows.stamps[0][0], 1) for c in windows.checkpoints],
-            'pairs': windows.pairs_of(trainer.batch_size)}))
+            'checkpoints_at_s': [round(c - windows.stamps[0][0], 1) for c in windows.checkpoints], 'pairs': pairs}))
 
 
 if __name__ == '__main__':

@@ -1,9 +1,11 @@
 """bench/: the targets are medians of alternating pairs (bench/results.py), a dry run never lands among the GPU
 figures, and a call of the harness (bench/run_bench.py) runs end to end on CPUs and records every target key."""
+import gc
 import json
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -106,7 +108,7 @@ def test_the_step_profile_ranks_the_operators_by_their_own_time():
 def test_checkpoint_windows_pair_the_seconds_around_each_checkpoint_with_the_seconds_after_it():
     """bench/ckpt_windows.py's arithmetic on a made-up run: a batch a second, a stamp every 2, each checkpoint (at
     batches 20 and 40) stalling the run 2 s; windows of 10 s."""
-    from bench.ckpt_windows import Enough, TooShort, Windows
+    from bench.ckpt_windows import Enough, NotWritten, TooShort, Windows
     now = [0]
     windows = Windows(window_s=10, pairs=2, every=2, cuda=False, clock=lambda: now[0])
     with pytest.raises(Enough):
@@ -117,6 +119,9 @@ def test_checkpoint_windows_pair_the_seconds_around_each_checkpoint_with_the_sec
             windows.stamp(0, i)
     assert i == 54 and now[0] >= 42 + 15, 'the run stops once the second pair\'s window without has passed'
     windows.parts = [{'write_s': 1.5}, {'write_s': 2.5}]
+    with pytest.raises(NotWritten, match='checkpoint 1, 2 of the windows was not written'):
+        windows.pairs_of(batch=4)
+    windows.parts = [{'write_s': 1.5, 'written_s': 1.5}, {'write_s': 2.5, 'written_s': 2.5}]
     windows.collections = [(19, 0.25), (24, 0.5), (30, 0.125)]  # two in [15, 25), the window with; one after
     with_one, without = {'img_per_s': 3.0, 'seconds': 8, 'batches': 6}, {'img_per_s': 4.0, 'seconds': 8, 'batches': 8}
     pairs = windows.pairs_of(batch=4)
@@ -129,6 +134,31 @@ def test_checkpoint_windows_pair_the_seconds_around_each_checkpoint_with_the_sec
     assert first['timeline'][-1][0] < 20 and (first['gc_s_with'], first['gc_s_without']) == (0.75, 0.125)
     with pytest.raises(TooShort):
         windows.stamp(1, 0)
+
+
+def test_checkpoint_windows_time_each_checkpoint_until_its_file_is_in_place_whoever_writes_it(tmp_path):
+    """bench/ckpt_windows.py's instruments on a real CheckpointWriter, with its thread and with a writer process (the
+    eighth session's GPU call with the process timed a checkpoint that failed at once: the instruments had wrapped
+    what the process is given in a function it cannot send)."""
+    from bench.ckpt_windows import Windows, instrument
+    from yolov9_ddp import checkpoint, checkpoint_process
+    model = torch.nn.Linear(4, 4)
+    callbacks = list(gc.callbacks)
+    try:
+        for process in (None, checkpoint_process.WriterProcess(print)):
+            windows = Windows(window_s=10, pairs=1, every=1, cuda=False)
+            trainer = SimpleNamespace(after_step=None, writer=checkpoint.CheckpointWriter(print, process))
+            last = tmp_path / f'{process is None}.pt'
+            trainer.save_periodic = lambda where: trainer.writer.submit(lambda: checkpoint.QueuedCheckpoint(
+                {'epoch': where, 'model': model, 'ema': model, 'scaler': {}}), last, 'checkpoint')
+            instrument(trainer, windows)
+            trainer.save_periodic(7)
+            trainer.writer.close()
+            part = windows.parts[0]
+            assert 0 < part['written_s'] <= part['write_s'] and torch.load(last, weights_only=False)['epoch'] == 7
+            assert ('completed_s' in part) == (process is None), 'the writer process completes the copy in the child'
+    finally:
+        gc.callbacks[:] = callbacks
 
 
 def test_the_gpu_sampler_reports_peak_memory_per_gpu_and_gpu_0s_clock_power_and_heat_over_a_span():
