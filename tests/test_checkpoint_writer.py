@@ -400,8 +400,8 @@ def test_the_writer_process_started_ahead_ends_at_close_though_a_forked_worker_h
 
 def test_the_writers_thread_takes_over_where_no_writer_process_starts_or_two_in_a_row_end_while_writing(
         tmp_path, monkeypatch):
-    """The lever is a default: whatever keeps its child from writing (an interpreter that does not start, children
-    killed mid-write, say by a memory limit) must not cost every checkpoint. The thread writes them, after one line."""
+    """Whatever keeps the lever's child from writing (an interpreter that does not start, children killed mid-write,
+    say by a memory limit) must not cost every checkpoint. The thread writes them, after one line."""
     state, lines = checkpoint_state(), []
     last = tmp_path / 'last.pt'
     writer = CheckpointWriter(lines.append, checkpoint_process.WriterProcess(lines.append))

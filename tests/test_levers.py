@@ -189,20 +189,19 @@ def test_a_new_run_on_one_gpu_takes_the_one_gpu_defaults_unless_told_otherwise(t
     assert levers('--device', '0') == Levers(), 'no CUDA here'
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
     assert levers('--device', '0') == replace(Levers(), **ONE_GPU_DEFAULTS) == replace(
-        Levers(), cuda_graphs=True, channels_last=True, host_targets=True, dense_box_loss=True, checkpoint_process=True)
-    assert levers('--device', '0', task='segment-dual') == replace(
-        Levers(), cuda_graphs=True, channels_last=True, checkpoint_process=True), \
+        Levers(), cuda_graphs=True, channels_last=True, host_targets=True, dense_box_loss=True)
+    assert levers('--device', '0', task='segment-dual') == replace(Levers(), cuda_graphs=True, channels_last=True), \
         'the loss levers only where the loss takes them'
     assert levers('--device', 'cpu') == levers('--device', '0,1', world=2) == Levers()
     assert levers('--device', '0', '--resume') == Levers(), "a resume keeps the run's own (recorded) levers"
-    loss_levers = replace(Levers(), channels_last=True, host_targets=True, dense_box_loss=True, checkpoint_process=True)
+    loss_levers = replace(Levers(), channels_last=True, host_targets=True, dense_box_loss=True)
     assert levers('--device', '0', '--multi-scale') == loss_levers
     assert levers('--device', '0', '--batch-size', '-1') == loss_levers, 'AutoBatch'
     assert levers('--device', '0', '--levers', 'channels_last=0,dense_box_loss=0') == replace(
-        Levers(), cuda_graphs=True, host_targets=True, checkpoint_process=True)
-    assert levers('--device', '0', '--deterministic') == replace(Levers(), **DETERMINISTIC, checkpoint_process=True), \
+        Levers(), cuda_graphs=True, host_targets=True)
+    assert levers('--device', '0', '--deterministic') == replace(Levers(), **DETERMINISTIC), \
         'upstream\'s numerics, and host_targets, which alone did not pay, left out with dense_box_loss'
-    assert levers('--device', '0', '--deterministic', '--levers', 'host_targets=1,checkpoint_process=0') == replace(
+    assert levers('--device', '0', '--deterministic', '--levers', 'host_targets=1') == replace(
         Levers(), **DETERMINISTIC, host_targets=True)
 
 

@@ -5,16 +5,15 @@ holding it: torch.save asks its persistent_id about each pickled object, about 2
 the SGD state. On an H100 each periodic checkpoint cost training 0.7 to 0.9 s, of which the training thread's own
 half was 0.23 to 0.35 s (bench/RESULTS.md, seventh session). With this lever the writer's thread only hands the
 queued host copy over a pipe (the lock let go while it waits), and a child process rebuilds the checkpoint and
-writes it as the thread would (QueuedCheckpoint, save_atomic): the same file. On the H100 the 10 steps holding a
-checkpoint then lost 0.07 to 0.34 s, against 0.53 to 0.67 s with the thread (eighth session): a one-GPU default.
+writes it as the thread would (QueuedCheckpoint, save_atomic): the same file.
 
 The child is started on the training thread as training is set up (its imports take 1 to 2 s, which the first
 checkpoint would otherwise wait for), and again, in one line, at a checkpoint where it has ended; it dies with the
 process that started it (PR_SET_PDEATHSIG, so a SIGKILLed rank leaves no writer behind to finish a file its restart
 does not expect) and ends when CheckpointWriter.close() tells it to (a message, not the pipe's end: the loader's
 workers, forked after it started, hold copies of the pipe's ends). Where none can start, or GIVE_UP_AFTER in a row
-end while writing, the writer's thread writes the checkpoints from then on, after one line: a default lever must
-not cost every checkpoint.
+end while writing, the writer's thread writes the checkpoints from then on, after one line: a lever that saves
+time must never cost every checkpoint.
 
     python -m yolov9_ddp.checkpoint_process JOBS_FD REPLIES_FD PARENT_PID       (the child; WriterProcess starts it)
 """
