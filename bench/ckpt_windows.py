@@ -77,6 +77,9 @@ class Windows:
     def rate(self, start: float, end: float, batch: int) -> dict:
         """img/s from the first to the last stamp in [start, end)."""
         inside = [(t, n) for t, n in self.stamps if start <= t < end]
+        if len(inside) < 2:
+            raise TooShort(f'a window of {self.window_s:g} s held {len(inside)} stamp(s), one every {self.every} '
+                           'steps: give longer windows (or --levers progress_every=N, fewer steps a stamp)')
         (t0, n0), (t1, n1) = inside[0], inside[-1]
         return {'img_per_s': round((n1 - n0) * batch / (t1 - t0), 2), 'seconds': round(t1 - t0, 2),
                 'batches': n1 - n0}
@@ -176,7 +179,7 @@ def main():
             trainer.close()  # a checkpoint write under way ends first
         try:
             pairs = windows.pairs_of(trainer.batch_size)
-        except NotWritten as e:
+        except (NotWritten, TooShort) as e:
             raise SystemExit(f'ckpt_windows.py: {e}') from None
         args.out.write_text(json.dumps({
             'window_s': args.window_s, 'checkpoint_minutes': opt.checkpoint_minutes, 'levers': opt.levers,

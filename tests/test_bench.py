@@ -134,6 +134,9 @@ def test_checkpoint_windows_pair_the_seconds_around_each_checkpoint_with_the_sec
     assert first['timeline'][-1][0] < 20 and (first['gc_s_with'], first['gc_s_without']) == (0.75, 0.125)
     with pytest.raises(TooShort):
         windows.stamp(1, 0)
+    windows.stamps = windows.stamps[::8]  # a stamp every 16 s: a window of 10 s holds one at most
+    with pytest.raises(TooShort, match='a window of 10 s held 1 stamp'):
+        windows.pairs_of(batch=4)
 
 
 def test_checkpoint_windows_time_each_checkpoint_until_its_file_is_in_place_whoever_writes_it(tmp_path):
