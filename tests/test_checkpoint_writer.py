@@ -340,6 +340,15 @@ def same_checkpoint(a: dict, b: dict) -> bool:
     return same(a, b)
 
 
+def child_killed_then(writer: CheckpointWriter, state: dict):
+    """A queue() for writer.submit() that first SIGKILLs the writer's child, which then cannot write what it queues."""
+    def queue():
+        writer.process.child.kill()
+        writer.process.child.wait()
+        return checkpoint.QueuedCheckpoint(state)
+    return queue
+
+
 def test_the_writer_process_writes_the_file_the_thread_would_and_says_so_in_one_line_where_it_fails_or_ends(
         tmp_path):
     """The lever checkpoint_process: the child writes what the writer's thread writes (upstream's format: the scaler's
@@ -361,11 +370,7 @@ def test_the_writer_process_writes_the_file_the_thread_would_and_says_so_in_one_
     assert len(lines) == 1 and lines.pop().startswith(
         f'WARNING: checkpoint at step 20 could not be written to {missing} (FileNotFoundError: [Errno 2]')
 
-    def killed_child_then_queued():
-        writer.process.child.kill()
-        writer.process.child.wait()
-        return checkpoint.QueuedCheckpoint({**state, 'epoch': 4})
-    assert writer.submit(killed_child_then_queued, last, 'checkpoint at step 30')
+    assert writer.submit(child_killed_then(writer, {**state, 'epoch': 4}), last, 'checkpoint at step 30')
     writer.wait()
     assert lines == [f'WARNING: checkpoint at step 30 could not be written to {last} (WriterProcessEnded: the '
                      'checkpoint writer process ended (SIGKILL)); training goes on, and a resume takes the checkpoint '
@@ -405,13 +410,8 @@ def test_the_writers_thread_takes_over_where_no_writer_process_starts_or_two_in_
     state, lines = checkpoint_state(), []
     last = tmp_path / 'last.pt'
     writer = CheckpointWriter(lines.append, checkpoint_process.WriterProcess(lines.append))
-
-    def killed_child_then_queued():
-        writer.process.child.kill()
-        writer.process.child.wait()
-        return checkpoint.QueuedCheckpoint(state)
     for step in (10, 20):
-        assert writer.submit(killed_child_then_queued, last, f'checkpoint at step {step}')
+        assert writer.submit(child_killed_then(writer, state), last, f'checkpoint at step {step}')
         writer.wait()
     assert writer.submit(lambda: checkpoint.QueuedCheckpoint({**state, 'epoch': 5}), last, 'checkpoint at step 30')
     writer.close()
