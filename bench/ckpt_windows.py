@@ -152,6 +152,18 @@ def instrument(trainer, windows: Windows):
     gc.callbacks.append(timed_collection)
 
 
+def windows_of_run(trainer, windows: Windows) -> list:
+    """Train until the windows have passed, then their pairs (TooShort or NotWritten where they measure nothing)."""
+    try:
+        trainer.fit()
+        raise TooShort('the run ended before the windows did: give more epochs or a larger training set')
+    except Enough:
+        pass
+    finally:
+        trainer.close()  # a checkpoint write under way ends first
+    return windows.pairs_of(trainer.batch_size)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('out', type=Path)
@@ -169,17 +181,8 @@ def main():
         windows = Windows(args.window_s, args.pairs, trainer.levers.progress_every, device.type == 'cuda')
         instrument(trainer, windows)
         try:
-            trainer.fit()
-            raise TooShort('the run ended before the windows did: give more epochs or a larger training set')
-        except Enough:
-            pass
-        except TooShort as e:
-            raise SystemExit(f'ckpt_windows.py: {e}') from None
-        finally:
-            trainer.close()  # a checkpoint write under way ends first
-        try:
-            pairs = windows.pairs_of(trainer.batch_size)
-        except (NotWritten, TooShort) as e:
+            pairs = windows_of_run(trainer, windows)
+        except (TooShort, NotWritten) as e:
             raise SystemExit(f'ckpt_windows.py: {e}') from None
         args.out.write_text(json.dumps({
             'window_s': args.window_s, 'checkpoint_minutes': opt.checkpoint_minutes, 'levers': opt.levers,
