@@ -382,14 +382,22 @@ def test_the_writer_process_writes_the_file_the_thread_would_and_says_so_in_one_
     assert writer.process.child.returncode == 0, 'close() ends the child: its last message'
 
 
-def test_the_writer_process_started_ahead_ends_at_close_though_a_forked_worker_holds_its_pipe(tmp_path):
+def test_the_writer_process_started_ahead_ends_at_close_though_a_forked_worker_holds_its_pipe(tmp_path,
+                                                                                              monkeypatch):
     """The trainer starts the child as it sets up, before the loader forks its workers, which then hold copies of
     the pipe's ends: close() must still end the child at once (it did after 30 s, killing it), having written what
-    it was given. And a child ended by a signal without a name is still said in one line."""
+    it was given. The child imports the model's modules as it starts, not at the first checkpoint. And a child ended
+    by a signal without a name is still said in one line."""
     last, lines = tmp_path / 'last.pt', []
-    writer = CheckpointWriter(lines.append, checkpoint_process.WriterProcess(lines.append))
+    (tmp_path / 'model_classes.py').write_text("import pathlib\npathlib.Path(__file__).with_suffix('.imported').touch()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    writer = CheckpointWriter(lines.append, checkpoint_process.WriterProcess(lines.append, preload=['model_classes']))
     writer.start_process()
     child = writer.process.child
+    imported, deadline = tmp_path / 'model_classes.imported', time.monotonic() + 30
+    while not imported.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert imported.exists(), 'the child imported the model classes\' module before any checkpoint'
     worker = multiprocessing.get_context('fork').Process(target=time.sleep, args=(60,))
     worker.start()
     try:

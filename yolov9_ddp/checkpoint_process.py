@@ -7,17 +7,20 @@ half was 0.23 to 0.35 s (bench/RESULTS.md, seventh session). With this lever the
 queued host copy over a pipe (the lock let go while it waits), and a child process rebuilds the checkpoint and
 writes it as the thread would (QueuedCheckpoint, save_atomic): the same file.
 
-The child is started on the training thread as training is set up (its imports take 1 to 2 s, which the first
-checkpoint would otherwise wait for), and again, in one line, at a checkpoint where it has ended; it dies with the
-process that started it (PR_SET_PDEATHSIG, so a SIGKILLed rank leaves no writer behind to finish a file its restart
-does not expect) and ends when CheckpointWriter.close() tells it to (a message, not the pipe's end: the loader's
-workers, forked after it started, hold copies of the pipe's ends). Where none can start, or GIVE_UP_AFTER in a row
-end while writing, the writer's thread writes the checkpoints from then on, after one line: a lever that saves
-time must never cost every checkpoint.
+The child is started on the training thread as training is set up, and imports then what unpickling the first
+checkpoint would: torch, and the modules of the model's classes it is given (upstream's models.yolo takes 1.9 s on a
+2-core CPU: the first checkpoint was in place 2.8-3.1 s after it was queued before, 0.5-0.6 s now,
+bench/RESULTS.md). It is started again, in one line, at a checkpoint where it has ended; it dies with the process
+that started it (PR_SET_PDEATHSIG, so a SIGKILLed rank leaves no writer behind to finish a file its restart does not
+expect) and ends when CheckpointWriter.close() tells it to (a message, not the pipe's end: the loader's workers,
+forked after it started, hold copies of the pipe's ends). Where none can start, or GIVE_UP_AFTER in a row end while
+writing, the writer's thread writes the checkpoints from then on, after one line: a lever that saves time must never
+cost every checkpoint.
 
-    python -m yolov9_ddp.checkpoint_process JOBS_FD REPLIES_FD PARENT_PID       (the child; WriterProcess starts it)
+    python -m yolov9_ddp.checkpoint_process JOBS_FD REPLIES_FD PARENT_PID [MODULE ...]   (the child: WriterProcess's)
 """
 import ctypes
+import importlib
 import os
 import pickle
 import signal
@@ -43,10 +46,11 @@ class WriterProcessEnded(Exception):
 
 class WriterProcess:
     """The parent's end, as CheckpointWriter's process: start_if_needed() on the training thread, write() in the
-    writer's thread, close() at the end."""
+    writer's thread, close() at the end. preload: the modules a checkpoint's classes come from (Task.model_module),
+    which the child imports as it starts."""
 
-    def __init__(self, log):
-        self.log = log
+    def __init__(self, log, preload=()):
+        self.log, self.preload = log, tuple(preload)
         self.child = self.jobs = self.replies = None
         self.ended_in_a_row = 0  # children that ended while writing, since the last one that answered
 
@@ -78,7 +82,7 @@ class WriterProcess:
         path = os.pathsep.join(entry for entry in sys.path if entry)  # the clone's modules, which the models pickle
         try:
             self.child = subprocess.Popen(
-                [sys.executable, '-m', __name__, str(jobs_read), str(replies_write), str(os.getpid())],
+                [sys.executable, '-m', __name__, str(jobs_read), str(replies_write), str(os.getpid()), *self.preload],
                 pass_fds=(jobs_read, replies_write), env={**os.environ, 'PYTHONPATH': path})
         except OSError:
             os.close(jobs_write)
@@ -206,6 +210,8 @@ def main():
     for signum in shutdown.HANDLED:  # Ctrl-C reaches the whole group, Slurm's SIGTERM every process of the job:
         signal.signal(signum, signal.SIG_IGN)  # the rank decides (shutdown.py), and this ends with it or at STOP
     torch.set_num_threads(1)  # the loader's workers have the other cores
+    for module in sys.argv[4:]:
+        importlib.import_module(module)
     with Connection(jobs_fd, writable=False) as jobs, Connection(replies_fd, readable=False) as replies:
         serve(jobs, replies)
 

@@ -35,6 +35,7 @@ class Detection:
     stripped_suffix: str = ''  # train.py strips last.pt into last_striped.pt; the others strip in place
     flat_and_fixed_lr: bool = True  # --flat-cos-lr and --fixed-lr: train_triple.py and the segment scripts lack them
     masks = False
+    model_module = 'models.yolo'  # upstream's module of the model classes (it imports their layers' modules)
     takes_loss_levers = True  # host_targets (its loss pads the targets where they are: patch 0016), dense_box_loss
     loss_names = ('box_loss', 'cls_loss', 'dfl_loss')
     metric_names = ('P', 'R', 'mAP50', 'mAP50-95')
@@ -58,8 +59,7 @@ class Detection:
     # -- model and loss ------------------------------------------------------------------------------------------
 
     def model(self, cfg, nc, hyp):
-        from models.yolo import Model
-        return Model(cfg, ch=3, nc=nc, anchors=hyp.get('anchors'))
+        return import_module(self.model_module).Model(cfg, ch=3, nc=nc, anchors=hyp.get('anchors'))
 
     def loss(self, model, opt, levers):
         loss = import_module(self.loss_module).ComputeLoss(model)
@@ -125,8 +125,7 @@ class Segmentation(Detection):
     demo_spec = DemoSpec(labels='polygons')
 
     def model(self, cfg, nc, hyp):
-        from models.yolo import SegmentationModel
-        return SegmentationModel(cfg, ch=3, nc=nc)
+        return import_module(self.model_module).SegmentationModel(cfg, ch=3, nc=nc)
 
     def loss(self, model, opt, levers):  # takes no lever (takes_loss_levers)
         return import_module(self.loss_module).ComputeLoss(model, overlap=not opt.no_overlap)

@@ -205,7 +205,8 @@ class Trainer:
         self.levers = record_levers(opt, graphs.one_gpu_defaults(opt, self.world, task))  # into opt.yaml, checkpoints
         self.cuda = device.type == 'cuda'
         self.stop = shutdown.StopRequest(shutdown.CHECK_EVERY_CUDA if self.cuda else 1)
-        process = checkpoint_process.WriterProcess(LOGGER.warning) if self.levers.checkpoint_process else None
+        process = checkpoint_process.WriterProcess(LOGGER.warning, preload=(task.model_module,)) \
+            if self.levers.checkpoint_process else None
         self.writer = checkpoint.CheckpointWriter(LOGGER.warning, process)  # rank 0's periodic checkpoints
         self.best_fitness = 0.0
         self.start = position.Position(epoch=0)  # where this start continues the run (a resume: its checkpoint's)
