@@ -2,7 +2,8 @@
 """A periodic checkpoint every W seconds against none, inside one training run of the kit: alternating windows of
 one long epoch (issue 23's checkpoint_minutes_1_vs_none_1gpu with W = 60).
 
-    python bench/ckpt_windows.py OUT.json [--window-s W] [--pairs P] ARGS      (cwd: the kit tree, one process)
+    python bench/ckpt_windows.py OUT.json [--window-s W] [--pairs P] [--writers thread,process] ARGS
+                                                                              (cwd: the kit tree, one process)
 
 ARGS are ddp_train_dual.py's; the run trains with --checkpoint-minutes 2W/60 added, on a training set longer than
 the run (an epoch's end saves last.pt and restarts the checkpoints' clock, so the run fails in one line if its epoch
@@ -13,8 +14,14 @@ steps after waiting for the GPU (the kit's loop waits for it there anyway, to pr
 after the P-th pair, about (2P + 1.5) W seconds after the Trainer starts. Each pair also says where its checkpoint's
 cost fell: its seconds on the training thread and in the writer's (each also as the thread's CPU seconds, and the
 writer's until the host copy was complete, where the thread completes it), until its file was in place, the img/s
-between stamps from 5 s before it to 20 s after, and the seconds of garbage collection in each window. A checkpoint
-of the pairs that was not written (skipped, failed) ends the call in one line: its pair would measure nothing.
+between stamps from 5 s before it to 20 s after, the training seconds it lost (lost_s: the intervals ending in the
+LOST_WITHIN_S after it, against the same batches at the pace of the window without), and the seconds of garbage
+collection in each window. A checkpoint of the pairs that was not written (skipped, failed) ends the call in one
+line: its pair would measure nothing.
+
+--writers thread,process: the periodic checkpoints are written in turn by the writer's thread and by a writer
+process (the lever checkpoint_process), each pair saying which (`writer`), so that the two ways' lost seconds are
+alternated in one run: which writer costs training less is a comparison inside one call.
 
 Why one run: two runs per pair would each need epochs of minutes to hold a checkpoint a minute, and 3 pairs of
 them do not fit one 10-minute device call; windows of one run share the process, the data stream and the GPU's
@@ -23,6 +30,7 @@ warmth with their neighbours.
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,7 +42,10 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.gpu_step import TASK  # noqa: E402
-from yolov9_ddp import cli, comm  # noqa: E402
+from yolov9_ddp import checkpoint, checkpoint_process, cli, comm  # noqa: E402
+
+LOST_WITHIN_S = 5.0  # a checkpoint's cost falls in the seconds after it: the writer's thread took 0.8-1.0 s on an
+# H100 (bench/RESULTS.md, eighth session); each interval counted beyond adds its own noise
 
 
 class Enough(Exception):
@@ -91,6 +102,15 @@ class Windows:
         return [[round(t1 - c, 2), round((n1 - n0) * batch / (t1 - t0), 1)] for (t0, n0), (t1, n1) in intervals
                 if c - before <= t1 < c + after]
 
+    def lost_s(self, c: float) -> float:
+        """Training seconds the checkpoint taken at c cost: the intervals between stamps that end in
+        [c, c + LOST_WITHIN_S), against the same batches at the median pace of the window after, which holds none."""
+        half, intervals = self.window_s / 2, list(zip(self.stamps, self.stamps[1:]))
+        pace = statistics.median((t1 - t0) / (n1 - n0) for (t0, n0), (t1, n1) in intervals
+                                 if c + half <= t0 and t1 < c + 3 * half)
+        return round(sum(t1 - t0 - pace * (n1 - n0) for (t0, n0), (t1, n1) in intervals
+                         if c <= t1 < c + LOST_WITHIN_S), 3)
+
     def collected_s(self, start: float, end: float) -> float:
         return round(sum(seconds for t, seconds in self.collections if start <= t < end), 3)
 
@@ -103,27 +123,50 @@ class Windows:
         started = self.stamps[0][0]
         return [{'checkpoint_at_s': round(c - started, 1), 'without': self.rate(c + half, c + 3 * half, batch),
                  'with': self.rate(c - half, c + half, batch),
-                 'checkpoint': {**part, 'timeline': self.timeline(c, batch), 'gc_s_with': self.collected_s(
-                     c - half, c + half), 'gc_s_without': self.collected_s(c + half, c + 3 * half)}}
+                 'checkpoint': {**part, 'lost_s': self.lost_s(c), 'timeline': self.timeline(c, batch),
+                                'gc_s_with': self.collected_s(c - half, c + half),
+                                'gc_s_without': self.collected_s(c + half, c + 3 * half)}}
                 for c, part in zip(taken, self.parts)]
 
 
-def instrument(trainer, windows: Windows):
+def instrument(trainer, windows: Windows, writers=None):
     """Stamp after every step, note when each periodic checkpoint starts and how long its parts take (on the
-    Trainer and its writer objects only), and time the garbage collections."""
-    after_step, save_periodic, write = trainer.after_step, trainer.save_periodic, trainer.writer.write
+    Trainer and its writer objects only), and time the garbage collections. writers: [(name, CheckpointWriter)]
+    that write the periodic checkpoints in turn (None: the trainer's own writer writes them all)."""
+    after_step, save_periodic = trainer.after_step, trainer.save_periodic
 
     def stamped_after_step(epoch, i, ni, mloss):
         after_step(epoch, i, ni, mloss)
         windows.stamp(epoch, i)
 
     def noted_save_periodic(where):
+        part = {}
+        if writers:
+            part['writer'], trainer.writer = writers[len(windows.checkpoints) % len(writers)]
         started, cpu = windows.clock(), time.thread_time()
         windows.checkpoints.append(started)
-        windows.parts.append({})  # before the writer's thread starts, which fills in its part
+        windows.parts.append(part)  # before the writer's thread starts, which fills in its part
         save_periodic(where)
-        windows.parts[-1].update(training_thread_s=round(windows.clock() - started, 3),
-                                 training_thread_cpu_s=round(time.thread_time() - cpu, 3))
+        part.update(training_thread_s=round(windows.clock() - started, 3),
+                    training_thread_cpu_s=round(time.thread_time() - cpu, 3))
+
+    collection = {}
+
+    def timed_collection(phase, info):
+        if phase == 'start':
+            collection['started'] = windows.clock()
+        else:
+            windows.collections.append((collection['started'], windows.clock() - collection['started']))
+    trainer.after_step, trainer.save_periodic = stamped_after_step, noted_save_periodic
+    for _, writer in writers or [('', trainer.writer)]:
+        time_writes(writer, windows)
+    gc.callbacks.append(timed_collection)
+
+
+def time_writes(writer, windows: Windows):
+    """Each write of writer timed into the part of the checkpoint it writes (CheckpointWriter.submit starts its
+    thread on writer.write)."""
+    write = writer.write
 
     def timed_write(make, path, name, then):
         part, started, cpu = windows.parts[-1], windows.clock(), time.thread_time()
@@ -137,23 +180,28 @@ def instrument(trainer, windows: Windows):
             part['written_s'] = round(windows.clock() - started, 3)
             if then is not None:
                 then()
-        write(make if trainer.writer.process is not None else timed_make, path, name, timed_then)
+        write(make if writer.process is not None else timed_make, path, name, timed_then)
         part.update(write_s=round(windows.clock() - started, 3), write_cpu_s=round(time.thread_time() - cpu, 3))
-
-    collection = {}
-
-    def timed_collection(phase, info):
-        if phase == 'start':
-            collection['started'] = windows.clock()
-        else:
-            windows.collections.append((collection['started'], windows.clock() - collection['started']))
-    trainer.after_step, trainer.save_periodic = stamped_after_step, noted_save_periodic
-    trainer.writer.write = timed_write  # CheckpointWriter.submit starts its thread on self.write
-    gc.callbacks.append(timed_collection)
+    writer.write = timed_write
 
 
-def windows_of_run(trainer, windows: Windows) -> list:
-    """Train until the windows have passed, then their pairs (TooShort or NotWritten where they measure nothing)."""
+def alternating_writers(names: str, log) -> list:
+    """--writers: [(name, CheckpointWriter)], thread or process (the lever checkpoint_process, its child started now,
+    as the trainer starts its own while the run sets up)."""
+    writers = []
+    for name in names.split(','):
+        if name not in ('thread', 'process'):
+            raise SystemExit(f'ckpt_windows.py: --writers {names}: each is thread or process')
+        process = checkpoint_process.WriterProcess(log, preload=(TASK.model_module,)) if name == 'process' else None
+        writer = checkpoint.CheckpointWriter(log, process)
+        writer.start_process()
+        writers.append((name, writer))
+    return writers
+
+
+def windows_of_run(trainer, windows: Windows, writers=()) -> list:
+    """Train until the windows have passed, then their pairs (TooShort or NotWritten where they measure nothing).
+    writers: CheckpointWriters of the run besides the one the trainer holds at its end, closed after it."""
     try:
         trainer.fit()
         raise TooShort('the run ended before the windows did: give more epochs or a larger training set')
@@ -161,7 +209,17 @@ def windows_of_run(trainer, windows: Windows) -> list:
         pass
     finally:
         trainer.close()  # a checkpoint write under way ends first
+        for writer in writers:
+            writer.close()
     return windows.pairs_of(trainer.batch_size)
+
+
+def lost_by_writer(pairs: list) -> dict:
+    """{writer: [lost_s of each of its checkpoints]} ('' where the trainer's own writer wrote them all)."""
+    lost = {}
+    for pair in pairs:
+        lost.setdefault(pair['checkpoint'].get('writer', ''), []).append(pair['checkpoint']['lost_s'])
+    return lost
 
 
 def main():
@@ -169,25 +227,28 @@ def main():
     p.add_argument('out', type=Path)
     p.add_argument('--window-s', type=float, default=60.0, metavar='W')
     p.add_argument('--pairs', type=int, default=3)
+    p.add_argument('--writers', default='', help='thread,process: the periodic checkpoints written by each in turn')
     args, train_args = p.parse_known_args()
     opt = cli.parse_args([*train_args, '--checkpoint-minutes', f'{2 * args.window_s / 60:g}'], ROOT, TASK)
     if comm.launched_world_size() > 1:
         raise SystemExit('ckpt_windows.py: one process (periodic checkpoints are rank 0\'s; the windows are its)')
     cli.check_options(opt, 1, TASK)
     device = comm.select_device(opt.device)
-    from yolov9_ddp.trainer import plan_start, prepare_trainer
+    from yolov9_ddp.trainer import LOGGER, plan_start, prepare_trainer
     with comm.process_group(device):
         trainer = prepare_trainer(TASK, opt, device, plan_start(opt))
         windows = Windows(args.window_s, args.pairs, trainer.levers.progress_every, device.type == 'cuda')
-        instrument(trainer, windows)
+        writers = alternating_writers(args.writers, LOGGER.warning) if args.writers else []
+        instrument(trainer, windows, writers)
         try:
-            pairs = windows_of_run(trainer, windows)
+            pairs = windows_of_run(trainer, windows, [trainer.writer, *(writer for _, writer in writers)])
         except (TooShort, NotWritten) as e:
             raise SystemExit(f'ckpt_windows.py: {e}') from None
         args.out.write_text(json.dumps({
             'window_s': args.window_s, 'checkpoint_minutes': opt.checkpoint_minutes, 'levers': opt.levers,
-            'batch': trainer.batch_size,
-            'checkpoints_at_s': [round(c - windows.stamps[0][0], 1) for c in windows.checkpoints], 'pairs': pairs}))
+            'writers': args.writers, 'batch': trainer.batch_size,
+            'checkpoints_at_s': [round(c - windows.stamps[0][0], 1) for c in windows.checkpoints],
+            'lost_s': lost_by_writer(pairs), 'pairs': pairs}))
 
 
 if __name__ == '__main__':

@@ -31,6 +31,8 @@ CALL (bench/PLAN.md has the device calls; bench/results.py the targets):
                checkpoint every 2W s: the W s around each | the W s after it, which have none (bench/ckpt_windows.py,
                --window-s W, default 60)                    -> checkpoint_minutes_W/60_vs_none_1gpu: with W = 60,
                                                                checkpoint_minutes_1_vs_none_1gpu itself
+               --writers thread,process: the checkpoints written by the writer's thread and a writer process in
+               turn, each pair saying which and what it lost (no target: which writer costs training less)
   entry-points every kit entry point (ddp_train.py, ..., segment/ddp_train_dual.py) trains on N GPUs: a whole
                short run each, an upstream model of its kind on its task's demo data  -> entry_points (no target)
 
@@ -389,6 +391,8 @@ class Bench:
         would be the whole run here, its accumulation and learning rate changing under the windows)."""
         window, copies = self.args.window_s, self.size['ckpt_copies']
         chosen, suffix = kit_levers(self.args.kit_levers)
+        writers = ['--writers', self.args.writers] if self.args.writers else []
+        suffix += f' (writers {self.args.writers} in turn)' if self.args.writers else ''
         data = repeated(self.dataset('main'), copies)
         hyp = self.work / 'hyp-short-warmup.yaml'
         hyp.write_text(re.sub(r'^warmup_epochs: .*$', 'warmup_epochs: 0  # 100 steps, the least',
@@ -399,7 +403,7 @@ class Bench:
                       window / 60, '1 GPU, windows of one run (bench/ckpt_windows.py)'), 'pairs': []}
         name = 'ckpt-windows-1gpu'
         args = self.train_cmd(self.kit, 1, data, name, epochs=1, extra=['--noval', '--hyp', hyp, *chosen])
-        script = [KIT / 'bench' / 'ckpt_windows.py', '--window-s', window, '--pairs', self.args.pairs]
+        script = [KIT / 'bench' / 'ckpt_windows.py', '--window-s', window, '--pairs', self.args.pairs, *writers]
         self.series_of_one_job(key, series, name, [*script, *args[len(launcher(1)) + 1:]], 1, lambda pairs: [
             {'a': p['without'], 'b': {**p['with'], 'checkpoints': {  # one in each window of W s
                 'per_minute_in_timed_epoch': round(60 / window, 2)}, 'checkpoint': p['checkpoint']},
@@ -585,7 +589,7 @@ CALLS = {'per-gpu': Bench.per_gpu, 'scaling': Bench.scaling, 'step': Bench.step,
 READ_BY = {'kit_levers': ('per-gpu', 'per-gpu-det', 'parity', 'entry-points', 'ckpt-windows'),
            'lever': ('lever', 'loop-lever'),
            'end_to_end': ('loop-lever',), 'checkpoint_minutes': ('ckpt-minutes',), 'quick': ('entry-points',),
-           'window_s': ('ckpt-windows',), 'deterministic': ('lever',)}
+           'window_s': ('ckpt-windows',), 'writers': ('ckpt-windows',), 'deterministic': ('lever',)}
 # set after that check: None is 'not given'
 OPTION_DEFAULTS = {'lever': 'channels_last=1', 'checkpoint_minutes': 0.1, 'window_s': 60.0}
 PERIODIC = re.compile(r'--checkpoint-(minutes|steps)\b')
@@ -839,6 +843,9 @@ def main():
                         '(about 14 s; a save at the epoch end restarts the clock, so 0.25 would write none there)')
     p.add_argument('--window-s', type=float, metavar='W',
                    help='ckpt-windows: seconds a window (default 60: a checkpoint a minute in the windows with one)')
+    p.add_argument('--writers', choices=('thread,process',),
+                   help="ckpt-windows: the periodic checkpoints written by the writer's thread and a writer process "
+                        'in turn (bench/ckpt_windows.py)')
     p.add_argument('--dataset', choices=('photo', 'demo'), default='photo',
                    help="photo: bench/photo_data.py's photographs (needs scikit-image); demo: the kit's flat shapes")
     p.add_argument('--work', default='/tmp/yolov9-ddp-bench', help='trees, datasets, runs, logs')

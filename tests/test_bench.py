@@ -84,6 +84,7 @@ def test_an_option_the_call_does_not_read_is_refused_in_one_line(monkeypatch, ca
     assert main('per-gpu', '--quick')[1].endswith('(only entry-points)')
     assert 'does not read it' in main('lever', '--kit-levers', 'channels_last=1')[1]
     assert main('per-gpu-det', '--deterministic')[1].endswith('(only lever)')
+    assert main('ckpt-minutes', '--writers', 'thread,process')[1].endswith('(only ckpt-windows)')
     assert main('loop-lever', '--lever', '--workers 6')[1].endswith(
         "options stand for a lever in the lever call only; loop-lever takes one of the kit's --levers")
     assert run_bench.lever_args('--workers 6') == ['--workers', '6']
@@ -91,7 +92,7 @@ def test_an_option_the_call_does_not_read_is_refused_in_one_line(monkeypatch, ca
     tags = [run_bench.lever_tag(lever) for lever in ('channels_last=1', 'cuda_graphs=0,channels_last=0', '--workers 6')]
     assert tags == ['channels_last-1', 'cuda_graphs-0,channels_last-0', 'workers-6']
     given = run_bench.argparse.Namespace(call='lever', kit_levers='', lever=None, end_to_end=False,
-                                         checkpoint_minutes=None, quick=False, window_s=None,
+                                         checkpoint_minutes=None, quick=False, window_s=None, writers=None,
                                          deterministic=False)
     run_bench.refuse_unread_options(None, given)
     assert (given.lever, given.checkpoint_minutes, given.window_s) == ('channels_last=1', 0.1, 60), 'the defaults'
@@ -130,6 +131,7 @@ def test_checkpoint_windows_pair_the_seconds_around_each_checkpoint_with_the_sec
         {'checkpoint_at_s': 42, 'without': without, 'with': with_one}]
     first = pairs[0]['checkpoint']
     assert first['write_s'] == 1.5 and pairs[1]['checkpoint']['write_s'] == 2.5
+    assert first['lost_s'] == pairs[1]['checkpoint']['lost_s'] == 2, 'each stalled the run 2 s'
     assert first['timeline'][:5] == [[-4, 4.0], [-2, 4.0], [0, 4.0], [4, 2.0], [6, 4.0]]  # the stall after it
     assert first['timeline'][-1][0] < 20 and (first['gc_s_with'], first['gc_s_without']) == (0.75, 0.125)
     with pytest.raises(TooShort):
@@ -140,28 +142,37 @@ def test_checkpoint_windows_pair_the_seconds_around_each_checkpoint_with_the_sec
 
 
 def test_checkpoint_windows_time_each_checkpoint_until_its_file_is_in_place_whoever_writes_it(tmp_path):
-    """bench/ckpt_windows.py's instruments on a real CheckpointWriter, with its thread and with a writer process (the
-    eighth session's GPU call with the process timed a checkpoint that failed at once: the instruments had wrapped
-    what the process is given in a function it cannot send)."""
+    """bench/ckpt_windows.py's instruments on real CheckpointWriters: the trainer's own, then a writer's thread and a
+    writer process in turn (--writers thread,process), each checkpoint timed until its file is in place (the eighth
+    session's GPU call with the process timed a checkpoint that failed at once: the instruments had wrapped what the
+    process is given in a function it cannot send)."""
     from bench.ckpt_windows import Windows, instrument
     from yolov9_ddp import checkpoint, checkpoint_process
-    model = torch.nn.Linear(4, 4)
+    model, last = torch.nn.Linear(4, 4), tmp_path / 'last.pt'
     callbacks = list(gc.callbacks)
+    writers = [('thread', checkpoint.CheckpointWriter(print)),
+               ('process', checkpoint.CheckpointWriter(print, checkpoint_process.WriterProcess(print)))]
     try:
-        for process in (None, checkpoint_process.WriterProcess(print)):
+        for alternating in (None, writers):
             windows = Windows(window_s=10, pairs=1, every=1, cuda=False)
-            trainer = SimpleNamespace(after_step=None, writer=checkpoint.CheckpointWriter(print, process))
-            last = tmp_path / f'{process is None}.pt'
+            trainer = SimpleNamespace(after_step=None, writer=checkpoint.CheckpointWriter(print))
             trainer.save_periodic = lambda where: trainer.writer.submit(lambda: checkpoint.QueuedCheckpoint(
                 {'epoch': where, 'model': model, 'ema': model, 'scaler': {}}), last, 'checkpoint')
-            instrument(trainer, windows)
-            trainer.save_periodic(7)
-            trainer.writer.close()
-            part = windows.parts[0]
-            assert 0 < part['written_s'] <= part['write_s'] and torch.load(last, weights_only=False)['epoch'] == 7
-            assert ('completed_s' in part) == (process is None), 'the writer process completes the copy in the child'
+            instrument(trainer, windows, alternating)
+            for epoch in (7, 8, 9):
+                trainer.save_periodic(epoch)
+                trainer.writer.wait()
+                part = windows.parts[-1]
+                assert 0 < part['written_s'] <= part['write_s']
+                assert torch.load(last, weights_only=False)['epoch'] == epoch
+            thread_wrote = [part.get('writer', 'thread') == 'thread' for part in windows.parts]
+            assert thread_wrote == ([True] * 3 if alternating is None else [True, False, True])
+            assert ['completed_s' in part for part in windows.parts] == thread_wrote, \
+                'the writer process completes the copy in the child'
     finally:
         gc.callbacks[:] = callbacks
+        for _, writer in writers:
+            writer.close()
 
 
 def test_the_gpu_sampler_reports_peak_memory_per_gpu_and_gpu_0s_clock_power_and_heat_over_a_span():
