@@ -5,6 +5,7 @@ import sys
 from argparse import Namespace
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -288,19 +289,34 @@ def static_gradient_capture(model, sample):
     return lambda x: StaticGradients.apply(x, model.weight, buffer)
 
 
-def test_cuda_graphs_accumulates_gradients_over_micro_steps_as_eager():
+@pytest.mark.usefixtures('upstream_importable')
+def test_cuda_graphs_accumulates_gradients_over_micro_steps_as_eager_with_resident_gradients_too():
     """A .grad that took the replay's buffer over would add the next micro-step's gradient to itself (found on an
-    H200: bench/RESULTS.md, "Lever: CUDA graphs")."""
+    H200: bench/RESULTS.md, "Lever: CUDA graphs"), unless each gradient is cloned on its way or, with the lever
+    resident_grads, backward adds into a .grad that the optimizer zeroed in place (Trainer.zero_grad): two optimizer
+    steps of two micro-steps each, their gradients the eager ones; the clones go once the gradients are resident."""
+    from yolov9_ddp.trainer import Trainer
     torch.manual_seed(0)
-    model, batches = torch.nn.Linear(4, 3, bias=False), [torch.randn(5, 4) for _ in range(3)]
+    model, batches = torch.nn.Linear(4, 3, bias=False), [torch.randn(5, 4) for _ in range(4)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0)
 
-    def accumulated(forward):
-        model.weight.grad = None
-        for batch in batches:
-            forward(batch).square().sum().backward()
-        return model.weight.grad.clone()
+    def accumulated(forward, levers=Levers()):
+        trainer = SimpleNamespace(optimizer=optimizer, levers=levers, forward=forward)
+        model.weight.grad, sums = None, []
+        for step in (0, 1):
+            for batch in batches[2 * step:2 * step + 2]:
+                forward(batch).square().sum().backward()
+            sums.append(model.weight.grad.clone())
+            Trainer.zero_grad(trainer)
+        return sums
     eager = accumulated(model)
-    assert torch.equal(accumulated(graphs.GraphedModel(model, capture=static_gradient_capture)), eager)
+    cloned = graphs.GraphedModel(model, capture=static_gradient_capture)
+    assert all(map(torch.equal, accumulated(cloned, replace(Levers(), cuda_graphs=True)), eager))
+    assert list(cloned.clones) == [model.weight] and model.weight.grad is None, 'zeroed by freeing, cloned'
+    cloned.clones.pop(model.weight).remove()
+    resident = graphs.GraphedModel(model, capture=static_gradient_capture)
+    assert all(map(torch.equal, accumulated(resident, replace(Levers(), cuda_graphs=True, resident_grads=True)), eager))
+    assert resident.clones == {} and torch.equal(model.weight.grad, torch.zeros(3, 4)), 'zeroed in place, no clone'
 
 
 def test_a_run_records_every_lever_in_its_options():
@@ -333,15 +349,17 @@ def test_a_recorded_lever_this_kit_no_longer_has_is_ignored_with_a_warning():
     assert said == ["the run recorded the lever 'warp_drive', which this kit does not have: ignored"]
 
 
-def final_weights(tree, data, project, fill_uninitialized: bool, host_targets: bool) -> dict:
-    """The model and EMA tensors after one epoch of a 1-process run on the CPU (weights/epoch0.pt, unstripped)."""
+def final_weights(tree, data, project, levers_on: bool) -> dict:
+    """The model and EMA tensors after one epoch of a 1-process run on the CPU (weights/epoch0.pt, unstripped), with
+    the levers fill_uninitialized, host_targets and resident_grads on or off."""
+    on = int(levers_on)
     result = run([sys.executable, 'ddp_train_dual.py', *map(str, train_args(
         data, project, 1, 4, 64, '--workers', 1, '--save-period', 1, '--deterministic',
-        '--levers', f'fill_uninitialized={int(fill_uninitialized)},host_targets={int(host_targets)}'))], tree)
+        '--levers', f'fill_uninitialized={on},host_targets={on},resident_grads={on}'))], tree)
     assert result.returncode == 0, describe_result(result)
     said = result.stdout + result.stderr
     assert '--deterministic: levers cudnn_benchmark=0, fused_optimizer=0' in said
-    assert f'fill_uninitialized_memory={fill_uninitialized},' in said
+    assert f'fill_uninitialized_memory={levers_on},' in said
     saved = checkpoint.load_checkpoint(project / 'exp' / 'weights' / 'epoch0.pt')
     assert yaml.safe_load((project / 'exp' / 'opt.yaml').read_text())['deterministic'] is True
     return {f'{part}.{name}': tensor for part in ('model', 'ema')
@@ -354,10 +372,10 @@ def test_two_deterministic_runs_one_with_torchs_fill_of_new_tensors_end_with_bit
         patched_tree, demo_data, tmp_path):
     """The second run has torch's fill of uninitialised memory (NaN in every new tensor), which the kit turns off
     (levers.use_deterministic_algorithms): a read of memory never written would differ between them, or be NaN.
-    It also gives the loss the loader's targets (host_targets=1), which its patched loss pads where they are."""
+    It also gives the loss the loader's targets (host_targets=1), which its patched loss pads where they are, and
+    zeroes the gradients in place between optimizer steps (resident_grads=1), where backward then adds into them."""
     with ThreadPoolExecutor(2) as pool:  # side by side: the test holds both cores
-        first, again = pool.map(lambda second: final_weights(patched_tree, demo_data, tmp_path / str(second),
-                                                             fill_uninitialized=second, host_targets=second),
+        first, again = pool.map(lambda second: final_weights(patched_tree, demo_data, tmp_path / str(second), second),
                                 (False, True))
     assert first.keys() == again.keys()
     for name, tensor in first.items():

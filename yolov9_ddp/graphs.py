@@ -64,14 +64,25 @@ def off_where_unsupported(opt, world_size: int, given: dict, log=print) -> str:
 
 
 class GraphedModel:
-    """model(imgs) in training mode through the graph captured for imgs' shape and layout, captured on first use."""
+    """model(imgs) in training mode through the graph captured for imgs' shape and layout, captured on first use.
+
+    The replay hands out its own gradient buffers, and a .grad that took one over would add the next micro-step's
+    gradient to itself (pytorch/pytorch#181723, open: make_graphed_callables' static gradient buffers and
+    accumulation). So each parameter's gradient is cloned on its way to .grad: a Python hook and a kernel per
+    parameter and micro-step (897 for yolov9-s). With the lever resident_grads the optimizer zeroes the gradients in
+    place instead of freeing them (Trainer.zero_grad), backward adds into a .grad that exists, and resident() takes
+    the clone off every parameter that has one."""
 
     def __init__(self, model: torch.nn.Module, capture=None):
         self.model, self.graphed, self.capture = model, {}, capture or capture_graphs  # tests capture without CUDA
-        for parameter in model.parameters():
-            if parameter.requires_grad:  # the replay hands out its own gradient buffers; a .grad that took one over
-                parameter.register_hook(torch.clone)  # would add the next micro-step's gradient to itself
-                # (pytorch/pytorch#181723, open: make_graphed_callables' static gradient buffers and accumulation)
+        self.clones = {parameter: parameter.register_hook(torch.clone)
+                       for parameter in model.parameters() if parameter.requires_grad}
+
+    def resident(self):
+        """The gradients were zeroed in place: backward adds into each .grad there is, and needs no clone there (a
+        parameter without one, unused so far, keeps its clone)."""
+        for parameter in [parameter for parameter in self.clones if parameter.grad is not None]:
+            self.clones.pop(parameter).remove()
 
     def __call__(self, imgs: torch.Tensor):
         key = (tuple(imgs.shape), imgs.dtype, imgs.is_contiguous(memory_format=torch.channels_last))

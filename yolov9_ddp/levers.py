@@ -44,6 +44,7 @@ class Levers:
     host_targets: bool = False  # detection losses get the loader's targets and pad them on the host (patch 0016)
     dense_box_loss: bool = False  # detection box losses over every anchor: no masked_select waits (boxloss.py)
     checkpoint_process: bool = False  # periodic checkpoints written by a child process (checkpoint_process.py)
+    resident_grads: bool = False  # gradients zeroed in place between optimizer steps, not freed (graphs.py)
 
 
 # The defaults of a new run on one CUDA process, measured there (bench/RESULTS.md, "One-GPU defaults": 2.1x

@@ -526,7 +526,7 @@ class Trainer:
         LOGGER.info(('\n' + '%11s' * len(columns)) % columns)
         batches = enumerate(self.batches.of_epoch(epoch, start_step), start_step)
         pbar = tqdm(batches, total=self.nb, initial=start_step, bar_format=TQDM_BAR_FORMAT, disable=not self.primary)
-        self.optimizer.zero_grad()
+        self.zero_grad()
         non_blocking = self.levers.pin_memory
         progress = LaggingLosses()
         for i, batch in pbar:
@@ -597,8 +597,15 @@ class Trainer:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=10.0)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.optimizer.zero_grad()
+        self.zero_grad()
         self.update_ema(self.model)
+
+    def zero_grad(self):
+        """Before the next optimizer step's micro-steps. The lever resident_grads zeroes the gradients in place, so
+        that backward adds into them; under cuda_graphs they then need no clone (graphs.GraphedModel)."""
+        self.optimizer.zero_grad(set_to_none=not self.levers.resident_grads)
+        if self.levers.resident_grads and self.levers.cuda_graphs:
+            self.forward.resident()
 
     def rescale(self, imgs, ni):
         """--multi-scale: the size of step ni, the same on every rank and in every start (yolov9_ddp.stream)."""
