@@ -180,6 +180,8 @@ def test_a_lever_that_would_change_nothing_in_the_run_is_refused_in_one_line(tmp
         checked('detect-triple', '--levers', f'{name}=1')
     assert refusal('detect', '--levers', 'fill_uninitialized=1').startswith(
         '--levers fill_uninitialized=1 acts under --deterministic only')
+    assert refusal('detect-dual', '--device', 'cpu', '--levers', 'one_cpu_thread=1').startswith(
+        '--levers one_cpu_thread=1 is for training on a GPU')
     checked('detect', '--deterministic', '--levers', 'fill_uninitialized=1')
 
 

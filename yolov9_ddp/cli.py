@@ -207,6 +207,9 @@ def refuse_levers_without_effect(levers, opt, task):
     if levers.fill_uninitialized and not opt.deterministic:
         raise UsageError('--levers fill_uninitialized=1 acts under --deterministic only (torch fills new tensors under '
                          'deterministic algorithms): give --deterministic too, or leave the lever out')
+    if levers.one_cpu_thread and graphs.no_cuda(opt):
+        raise UsageError('--levers one_cpu_thread=1 is for training on a GPU (on CPUs the training is the CPU work, '
+                         'which needs the threads): leave it out')
 
 
 def check_options(opt, world_size: int, task):

@@ -45,6 +45,8 @@ class Levers:
     dense_box_loss: bool = False  # detection box losses over every anchor: no masked_select waits (boxloss.py)
     checkpoint_process: bool = False  # periodic checkpoints written by a child process (checkpoint_process.py)
     resident_grads: bool = False  # gradients zeroed in place between optimizer steps, not freed (graphs.py)
+    one_cpu_thread: bool = False  # on a GPU, the training process's CPU tensor work on one thread, as torchrun
+    # sets for several processes: its intra-op pool (a thread per core) otherwise runs beside the loader's workers
 
 
 # The defaults of a new run on one CUDA process, measured there (bench/RESULTS.md, "One-GPU defaults": 2.1x

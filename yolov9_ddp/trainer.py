@@ -231,6 +231,8 @@ class Trainer:
         if opt.deterministic or not self.levers.cudnn_benchmark:  # upstream's choice of algorithms
             use_deterministic_algorithms(opt.seed + 1 + self.rank, self.levers.fill_uninitialized)
         torch.backends.cudnn.benchmark = self.levers.cudnn_benchmark
+        if self.levers.one_cpu_thread and self.cuda:  # refused on CPUs (cli); a resume there goes on without it
+            torch.set_num_threads(1)
         if opt.deterministic:
             LOGGER.info(f'--deterministic: levers {", ".join(f"{k}={int(v)}" for k, v in DETERMINISTIC.items())}, '
                         f'torch.use_deterministic_algorithms(True), fill_uninitialized_memory='
