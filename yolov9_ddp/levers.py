@@ -61,7 +61,7 @@ class Levers:
 # loss's 10 waits a step, so --deterministic, which turns dense_box_loss off, leaves it off (graphs.py).
 # checkpoint_process waits for a GPU's measurement: the eighth session's call with it timed checkpoints that were
 # never written (the bench's instruments broke them; bench/RESULTS.md), so only the CPUs' 0.27 s against 0.77 s
-# stands.
+# stands. So do resident_grads and one_cpu_thread, built without a GPU (bench/PLAN.md has their calls).
 ONE_GPU_DEFAULTS = {'cuda_graphs': True, 'channels_last': True, 'host_targets': True, 'dense_box_loss': True}
 
 # the levers that change the arithmetic or let it vary from run to run: --deterministic turns them off
