@@ -46,7 +46,7 @@ class Levers:
     checkpoint_process: bool = False  # periodic checkpoints written by a child process (checkpoint_process.py)
     resident_grads: bool = False  # gradients zeroed in place between optimizer steps, not freed (graphs.py)
     one_cpu_thread: bool = False  # on a GPU, the training process's CPU tensor work on one thread, as torchrun
-    # sets for several processes: its intra-op pool (a thread per core) otherwise runs beside the loader's workers
+    # sets for several processes: its intra-op pool (a thread per core) may otherwise run beside the loader's workers
 
 
 # The defaults of a new run on one CUDA process, measured there (bench/RESULTS.md, "One-GPU defaults": 2.1x
