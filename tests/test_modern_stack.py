@@ -693,6 +693,62 @@ def test_the_lever_dense_box_loss_leaves_the_detection_losses_no_wait_and_their_
         assert dense['numbers'][case]['approx'] == pytest.approx(numbers['approx'], rel=1e-5, abs=1e-9), case
 
 
+PADDING = """
+import hashlib, json
+from types import SimpleNamespace
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from utils import loss_tal, loss_tal_dual, loss_tal_triple
+
+
+class Census(TorchDispatchMode):
+    operators = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        Census.operators += 1
+        return func(*args, **(kwargs or {}))
+
+
+def batch(images, g):  # 0 to 11 targets an image, in the loader's order
+    counts = torch.randint(0, 12, (images,), generator=g)
+    return torch.cat([torch.repeat_interleave(torch.arange(images), counts).float()[:, None],
+                      torch.rand(int(counts.sum()), 5, generator=g)], 1)
+
+
+g = torch.Generator().manual_seed(0)
+digest, operators = hashlib.sha256(), {}
+for loss in (loss_tal.ComputeLoss, loss_tal_dual.ComputeLoss, loss_tal_dual.ComputeLossLH,
+             loss_tal_triple.ComputeLoss):
+    for images in (16, 32):
+        rows = batch(images, g)
+        for targets in (rows, rows[torch.randperm(len(rows), generator=g)]):  # in order, shuffled
+            Census.operators = 0
+            with Census():
+                padded = loss.preprocess(SimpleNamespace(device=torch.device('cpu')), targets, images, torch.ones(4))
+            digest.update(padded.numpy().tobytes())
+        operators[f'{loss.__module__}.{loss.__name__} {images}'] = Census.operators
+print(json.dumps({'padded': digest.hexdigest(), 'operators': operators}))
+"""
+
+
+def padding(tree: Path, env: dict) -> dict:
+    result = probe(tree, PADDING, env)
+    assert result.returncode == 0, describe(result)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_0018_detection_losses_pad_a_batchs_targets_in_operators_as_many_whatever_its_images_with_the_same_numbers(
+        tree_without, patched_tree, offline_env):
+    # preprocess() padded the targets one image at a time, about 9 operators an image the host dispatched (and on a
+    # GPU three waits an image); now the whole batch at once: the same padded targets, in the loader's order or not
+    without, patched = padding(tree_without(18), offline_env), padding(patched_tree, offline_env)
+    assert patched['padded'] == without['padded']
+    for loss in {case.rsplit(' ', 1)[0] for case in patched['operators']}:
+        grown = [found['operators'][f'{loss} 32'] - found['operators'][f'{loss} 16'] for found in (without, patched)]
+        assert grown[0] > 100 and grown[1] == 0, (loss, without, patched)  # 16 more images: ~140 more, or none
+
+
 DENSE_BOX_LOSS_IN_HALF = """
 import json, types
 import torch
