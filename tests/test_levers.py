@@ -315,7 +315,7 @@ def test_cuda_graphs_accumulates_gradients_over_micro_steps_as_eager_with_reside
     cloned = graphs.GraphedModel(model, capture=static_gradient_capture)
     assert all(map(torch.equal, accumulated(cloned, replace(Levers(), cuda_graphs=True)), eager))
     assert list(cloned.clones) == [model.weight] and model.weight.grad is None, 'zeroed by freeing, cloned'
-    cloned.clones.pop(model.weight).remove()
+    cloned.clones.pop(model.weight).remove()  # the weight is wrapped again below: one clone hook at a time
     resident = graphs.GraphedModel(model, capture=static_gradient_capture)
     assert all(map(torch.equal, accumulated(resident, replace(Levers(), cuda_graphs=True, resident_grads=True)), eager))
     assert resident.clones == {} and torch.equal(model.weight.grad, torch.zeros(3, 4)), 'zeroed in place, no clone'
