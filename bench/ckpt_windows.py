@@ -42,7 +42,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.gpu_step import TASK  # noqa: E402
-from yolov9_ddp import checkpoint, checkpoint_process, cli, comm  # noqa: E402
+from yolov9_ddp import cli, comm  # noqa: E402
 
 LOST_WITHIN_S = 5.0  # a checkpoint's cost falls in the seconds after it: the writer's thread took 0.8-1.0 s on an
 # H100 (bench/RESULTS.md, eighth session); each interval counted beyond adds its own noise
@@ -185,15 +185,15 @@ def time_writes(writer, windows: Windows):
     writer.write = timed_write
 
 
-def alternating_writers(names: str, log) -> list:
-    """--writers: [(name, CheckpointWriter)], thread or process (the lever checkpoint_process, its child started now,
-    as the trainer starts its own while the run sets up)."""
+def alternating_writers(names: str) -> list:
+    """--writers: [(name, CheckpointWriter)], thread or process, each as the trainer makes its own (the process's
+    child started now, as the trainer starts its own while the run sets up)."""
+    from yolov9_ddp.trainer import periodic_writer
     writers = []
     for name in names.split(','):
         if name not in ('thread', 'process'):
             raise SystemExit(f'ckpt_windows.py: --writers {names}: each is thread or process')
-        process = checkpoint_process.WriterProcess(log, preload=(TASK.model_module,)) if name == 'process' else None
-        writer = checkpoint.CheckpointWriter(log, process)
+        writer = periodic_writer(TASK, name == 'process')
         writer.start_process()
         writers.append((name, writer))
     return writers
@@ -234,11 +234,11 @@ def main():
         raise SystemExit('ckpt_windows.py: one process (periodic checkpoints are rank 0\'s; the windows are its)')
     cli.check_options(opt, 1, TASK)
     device = comm.select_device(opt.device)
-    from yolov9_ddp.trainer import LOGGER, plan_start, prepare_trainer
+    from yolov9_ddp.trainer import plan_start, prepare_trainer
     with comm.process_group(device):
         trainer = prepare_trainer(TASK, opt, device, plan_start(opt))
         windows = Windows(args.window_s, args.pairs, trainer.levers.progress_every, device.type == 'cuda')
-        writers = alternating_writers(args.writers, LOGGER.warning) if args.writers else []
+        writers = alternating_writers(args.writers) if args.writers else []
         instrument(trainer, windows, writers)
         try:
             pairs = windows_of_run(trainer, windows, [trainer.writer, *(writer for _, writer in writers)])

@@ -191,6 +191,13 @@ def rank_local_buffers() -> dict:
 
 # -- the trainer ---------------------------------------------------------------------------------------------------
 
+def periodic_writer(task, in_process: bool) -> checkpoint.CheckpointWriter:
+    """A writer of periodic checkpoints: its thread, or with the lever checkpoint_process a child process, which
+    imports the task's model classes as it starts (their unpickling would at the first checkpoint)."""
+    process = checkpoint_process.WriterProcess(LOGGER.warning, preload=(task.model_module,)) if in_process else None
+    return checkpoint.CheckpointWriter(LOGGER.warning, process)
+
+
 class Trainer:
     """One training run of a task: setup(), then fit() runs epochs of train_step() with validate() and save()."""
 
@@ -205,9 +212,7 @@ class Trainer:
         self.levers = record_levers(opt, graphs.one_gpu_defaults(opt, self.world, task))  # into opt.yaml, checkpoints
         self.cuda = device.type == 'cuda'
         self.stop = shutdown.StopRequest(shutdown.CHECK_EVERY_CUDA if self.cuda else 1)
-        process = checkpoint_process.WriterProcess(LOGGER.warning, preload=(task.model_module,)) \
-            if self.levers.checkpoint_process else None
-        self.writer = checkpoint.CheckpointWriter(LOGGER.warning, process)  # rank 0's periodic checkpoints
+        self.writer = periodic_writer(task, self.levers.checkpoint_process)  # rank 0's periodic checkpoints
         self.best_fitness = 0.0
         self.start = position.Position(epoch=0)  # where this start continues the run (a resume: its checkpoint's)
         self.pending_signal, self.checkpoint_pending, self.last_checkpoint_time = 0, False, time.monotonic()
