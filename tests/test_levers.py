@@ -13,7 +13,7 @@ import yaml
 
 from testsupport import faults
 from testsupport.jobs import launch_cmd, run, train_args
-from testsupport.trees import describe as describe_result
+from testsupport.trees import TINY_CFG, describe as describe_result
 from yolov9_ddp import checkpoint, cli, graphs
 from yolov9_ddp.levers import (DETERMINISTIC, ONE_GPU_DEFAULTS, Levers, describe, fused_optimizer, levers_for,
                                parse_levers, record_levers, requested_levers, resumed_levers)
@@ -164,7 +164,7 @@ def test_cuda_graphs_is_refused_in_one_line_where_it_cannot_work(tmp_path, monke
     assert graphs.unsupported(cli.parse_args(['--device', '0'], tmp_path, TASKS['detect-dual']), 1) == ''
 
 
-def test_a_lever_that_would_change_nothing_in_the_run_is_refused_in_one_line(tmp_path):
+def test_a_lever_that_would_change_nothing_in_the_run_is_refused_in_one_line(tmp_path, monkeypatch):
     def refusal(task, *args):
         with pytest.raises(cli.UsageError) as refused:
             cli.check_options(cli.parse_args(list(args), tmp_path, TASKS[task]), 1, TASKS[task])
@@ -172,12 +172,24 @@ def test_a_lever_that_would_change_nothing_in_the_run_is_refused_in_one_line(tmp
 
     def checked(task, *args):  # where it acts: no refusal
         opt = cli.parse_args(list(args), tmp_path, TASKS[task])
-        cli.refuse_levers_without_effect(levers_for(opt), opt, TASKS[task])
-    for name in ('host_targets', 'dense_box_loss'):
+        cli.refuse_levers_without_effect(levers_for(opt, graphs.one_gpu_defaults(opt, 1, TASKS[task])), opt,
+                                         TASKS[task], 1)
+    for name in ('host_targets', 'dense_box_loss', 'graphed_loss'):
         assert refusal('segment-dual', '--levers', f'{name}=1') == (
             f"--levers {name}=1 is for the detection losses; segment/ddp_train_dual.py trains with upstream's "
             f"segmentation loss, which has no use for it")
-        checked('detect-triple', '--levers', f'{name}=1')
+        if name != 'graphed_loss':  # it needs a GPU's graphs (below)
+            checked('detect-triple', '--levers', f'{name}=1')
+    assert refusal('detect', '--device', 'cpu', '--levers', 'graphed_loss=1') == (
+        "--levers graphed_loss=1 captures the loss in the model's CUDA graphs, and this run has none "
+        "(cuda_graphs=1 needs a CUDA device)")
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)  # the rules past the device
+    checked('detect-triple', '--device', '0', '--levers', 'graphed_loss=1')  # with the one-GPU defaults
+    assert refusal('detect', '--device', '0', '--levers', 'graphed_loss=1,cuda_graphs=0').endswith(
+        'and this run has none (cuda_graphs=0)')
+    assert refusal('detect', '--device', '0', '--levers', 'graphed_loss=1,dense_box_loss=0').startswith(
+        "--levers graphed_loss=1 needs dense_box_loss=1: upstream's box loss reads the size of its foreground")
+    monkeypatch.undo()
     assert refusal('detect', '--levers', 'fill_uninitialized=1').startswith(
         '--levers fill_uninitialized=1 acts under --deterministic only')
     assert refusal('detect-dual', '--device', 'cpu', '--levers', 'one_cpu_thread=1').startswith(
@@ -319,6 +331,53 @@ def test_cuda_graphs_accumulates_gradients_over_micro_steps_as_eager_with_reside
     resident = graphs.GraphedModel(model, capture=static_gradient_capture)
     assert all(map(torch.equal, accumulated(resident, replace(Levers(), cuda_graphs=True, resident_grads=True)), eager))
     assert resident.clones == {} and torch.equal(model.weight.grad, torch.zeros(3, 4)), 'zeroed in place, no clone'
+
+
+def eager_capture(module, samples):
+    """A stand-in capture: the module itself, and a record of the shapes it was captured for."""
+    eager_capture.shapes.append([tuple(sample.shape) for sample in samples])
+    return module
+
+
+@pytest.mark.usefixtures('upstream_importable')
+def test_graphed_loss_replays_the_model_and_the_loss_for_targets_padded_to_a_few_sizes_with_the_eager_numbers(
+        patched_tree):
+    """The lever graphed_loss: a micro-step calls one graphed module, the model and the loss's padded part (patch
+    0019), with the targets as the loss pads them (the image size its scale) and rows of zeros up to a power of two
+    from 16; a capture per such size: batches with 3 and 9 targets an image share one, 20 takes another. Under a
+    stand-in capture, the loss, its items (no gradient carried) and the gradients equal the eager loss's bit for
+    bit, for a batch with no target too (upstream's branch for none against 16 rows of zeros)."""
+    from models.yolo import Model
+    from yolov9_ddp.trainer import Trainer
+    torch.manual_seed(0)
+    model = Model(str(TINY_CFG), ch=3, nc=2)
+    model.hyp = yaml.safe_load((patched_tree / 'data/hyps/hyp.scratch-high.yaml').read_text())
+    levers = replace(Levers(), cuda_graphs=True, dense_box_loss=True, graphed_loss=True)
+    task = TASKS['detect-dual']
+    loss = task.loss(model, SimpleNamespace(), levers)
+    eager_capture.shapes = []
+    graphed = SimpleNamespace(levers=levers, task=task, compute_loss=loss, device=torch.device('cpu'),
+                              forward=graphs.GraphedModel(graphs.ModelAndLoss(model, loss), capture=eager_capture))
+    graphed.padded_targets = lambda targets, imgs: Trainer.padded_targets(graphed, targets, imgs)
+    eager = SimpleNamespace(levers=Levers(), task=task, compute_loss=loss, forward=model)
+    for trainer in (graphed, eager):
+        trainer.loss_in_graphs = Trainer.loss_in_graphs.fget(trainer)
+
+    def numbers(trainer, imgs, targets):
+        model.zero_grad()
+        value, items = Trainer.loss_of(trainer, imgs, targets, {})
+        value.backward()
+        return value, items, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    g = torch.Generator().manual_seed(1)
+    for per_image in (3, 9, 20, 0):
+        imgs = torch.rand(2, 3, 64, 96, generator=g)
+        boxes = torch.rand(2 * per_image, 4, generator=g) * 0.4 + 0.1
+        targets = torch.cat([torch.arange(2).repeat_interleave(per_image)[:, None].float(),
+                             torch.randint(0, 2, (2 * per_image, 1), generator=g).float(), boxes], 1)
+        (value, items, grads), expected = numbers(graphed, imgs, targets), numbers(eager, imgs, targets)
+        assert torch.equal(value, expected[0]) and torch.equal(items, expected[1]) and not items.requires_grad
+        assert len(grads) == len(expected[2]) and all(map(torch.equal, grads, expected[2])), per_image
+    assert eager_capture.shapes == [[(2, 3, 64, 96), (2, 16, 5)], [(2, 3, 64, 96), (2, 32, 5)]]
 
 
 def test_a_run_records_every_lever_in_its_options():

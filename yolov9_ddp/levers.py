@@ -47,6 +47,8 @@ class Levers:
     resident_grads: bool = False  # gradients zeroed in place between optimizer steps, not freed (graphs.py)
     one_cpu_thread: bool = False  # on a GPU, the training process's CPU tensor work on one thread, as torchrun
     # sets for several processes: its intra-op pool (a thread per core) may otherwise run beside the loader's workers
+    graphed_loss: bool = False  # the detection loss captured with the model in its CUDA graphs (graphs.ModelAndLoss):
+    # needs cuda_graphs and dense_box_loss
 
 
 # The defaults of a new run on one CUDA process, measured there (bench/RESULTS.md, "One-GPU defaults": 2.1x
@@ -61,13 +63,13 @@ class Levers:
 # loss's 10 waits a step, so --deterministic, which turns dense_box_loss off, leaves it off (graphs.py).
 # checkpoint_process waits for a GPU's measurement: the eighth session's call with it timed checkpoints that were
 # never written (the bench's instruments broke them; bench/RESULTS.md), so only the CPUs' 0.27 s against 0.77 s
-# stands. So do resident_grads and one_cpu_thread, built without a GPU (bench/PLAN.md has their calls).
+# stands. So do resident_grads, one_cpu_thread and graphed_loss, built without a GPU (bench/PLAN.md has their calls).
 ONE_GPU_DEFAULTS = {'cuda_graphs': True, 'channels_last': True, 'host_targets': True, 'dense_box_loss': True}
 
 # the levers that change the arithmetic or let it vary from run to run: --deterministic turns them off
 # (foreach_ema is not one of them: its kernels do upstream's arithmetic, bit for bit, yolov9_ddp/ema.py)
 DETERMINISTIC = {'cudnn_benchmark': False, 'fused_optimizer': False, 'channels_last': False, 'dense_box_loss': False}
-LOSS_LEVERS = ('host_targets', 'dense_box_loss')  # what the detection losses take (tasks.Detection.takes_loss_levers)
+LOSS_LEVERS = ('host_targets', 'dense_box_loss', 'graphed_loss')  # what the detection losses take (tasks.Detection)
 CUBLAS_WORKSPACE = ':4096:8'  # what cuBLAS needs for deterministic results (upstream's init_seeds sets it too)
 
 
