@@ -234,6 +234,10 @@ def test_a_runs_cuda_graphs_turns_off_in_one_line_where_a_resume_cannot_use_it(t
     assert graphs.off_where_unsupported(opt, 1, {}, said.append) == opt.levers and len(said) == 1, 'one GPU: kept'
     assert parse_levers(graphs.off_where_unsupported(opt, 2, {}, said.append))['cuda_graphs'] is False
     assert 'one GPU only' in said[-1]
+    opt.levers = describe(replace(Levers(), cuda_graphs=True, dense_box_loss=True, graphed_loss=True))
+    assert parse_levers(graphs.off_where_unsupported(opt, 2, {}, said.append)) == asdict(
+        replace(Levers(), dense_box_loss=True)), 'the loss in the graphs goes with them'
+    assert said[-1].startswith('levers changed on resume: cuda_graphs 1 -> 0, graphed_loss 1 -> 0 (in those graphs), ')
 
 
 @pytest.mark.usefixtures('upstream_importable')
