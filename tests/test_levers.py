@@ -187,6 +187,8 @@ def test_a_lever_that_would_change_nothing_in_the_run_is_refused_in_one_line(tmp
     checked('detect-triple', '--device', '0', '--levers', 'graphed_loss=1')  # with the one-GPU defaults
     assert refusal('detect', '--device', '0', '--levers', 'graphed_loss=1,cuda_graphs=0').endswith(
         'and this run has none (cuda_graphs=0)')
+    assert refusal('detect', '--device', '0', '--batch-size', '-1', '--levers', 'graphed_loss=1').endswith(
+        'and this run has none (cuda_graphs=1 is left out under AutoBatch (--batch-size -1))')
     assert refusal('detect', '--device', '0', '--levers', 'graphed_loss=1,dense_box_loss=0').startswith(
         "--levers graphed_loss=1 needs dense_box_loss=1: upstream's box loss reads the size of its foreground")
     monkeypatch.undo()
