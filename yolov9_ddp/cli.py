@@ -212,8 +212,7 @@ def refuse_levers_without_effect(levers, opt, task, world_size: int):
         raise UsageError('--levers one_cpu_thread=1 is for training on a GPU (on CPUs the training is the CPU work, '
                          'which needs the threads): leave it out')
     if levers.graphed_loss and not levers.cuda_graphs:
-        autobatch = opt.batch_size == -1 and 'is left out under AutoBatch (--batch-size -1)'  # graphs.one_gpu_defaults
-        why = graphs.unsupported(opt, world_size) or autobatch
+        why = graphs.no_graphs_by_default(opt, world_size)
         raise UsageError('--levers graphed_loss=1 captures the loss in the model\'s CUDA graphs, and this run has none '
                          f'({f"cuda_graphs=1 {why}" if why else "cuda_graphs=0"})')
     if levers.graphed_loss and not levers.dense_box_loss:

@@ -37,16 +37,23 @@ def unsupported(opt, world_size: int) -> str:
     return ''
 
 
+def no_graphs_by_default(opt, world_size: int) -> str:
+    """Why a new run here does not take cuda_graphs as a default ('' where it does): where it cannot use them, and
+    where the batch is AutoBatch's (--batch-size -1): AutoBatch sizes the batch to a share of the GPU's memory by the
+    eager step's, and the captured graphs keep their own memory beside the cache (2.4 GB more at batch 32 on an
+    H200, bench/RESULTS.md), which its estimate does not hold."""
+    autobatch = 'is left out under AutoBatch (--batch-size -1)' if opt.batch_size == -1 else ''
+    return unsupported(opt, world_size) or autobatch
+
+
 def one_gpu_defaults(opt, world_size: int, task) -> dict:
     """The levers.ONE_GPU_DEFAULTS a new run takes here: none on CPUs, on more processes or on resume (a run keeps
     its own); the loss levers only where the task's loss takes them, and host_targets, which alone did not pay, not
-    under --deterministic, which turns dense_box_loss off; cuda_graphs only where this run can use it and where
-    the batch is not AutoBatch's (--batch-size -1): AutoBatch sizes the batch to a share of the GPU's memory by the
-    eager step's, and the captured graphs keep their own memory beside the cache (2.4 GB more at batch 32 on an
-    H200, bench/RESULTS.md), which its estimate does not hold."""
+    under --deterministic, which turns dense_box_loss off; cuda_graphs only where no_graphs_by_default finds no
+    reason against it."""
     if opt.resume or world_size > 1 or no_cuda(opt):
         return {}
-    left_out = {'cuda_graphs': unsupported(opt, world_size) or opt.batch_size == -1,
+    left_out = {'cuda_graphs': no_graphs_by_default(opt, world_size),
                 'host_targets': not task.takes_loss_levers or opt.deterministic,
                 'dense_box_loss': not task.takes_loss_levers}
     return {name: value for name, value in ONE_GPU_DEFAULTS.items() if not left_out.get(name)}
