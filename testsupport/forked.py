@@ -148,10 +148,11 @@ def become(argv, env: dict, streams: dict, cwd, new_session: bool, script_sys_pa
     if torch.cuda._is_in_bad_fork():  # the parent asked the CUDA runtime something: CUDA is unusable here
         os.execve(argv[0], list(map(str, argv)), env)
     signal.set_wakeup_fd(-1)
-    for signum in signal.valid_signals():
-        if callable(signal.getsignal(signum)) and signum != signal.SIGINT:
+    for signum in signal.valid_signals():  # as exec leaves them: the handled to their default, the ignored ignored
+        if callable(signal.getsignal(signum)):
             signal.signal(signum, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # ignored in a shell's background job (nohup)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python's start-up then installs it
     os.environ.clear()
     os.environ.update({**preloaded_env, **env})
     tempfile.tempdir = None  # found again from TMPDIR
