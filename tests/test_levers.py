@@ -205,21 +205,23 @@ def test_a_new_run_on_one_gpu_takes_the_one_gpu_defaults_unless_told_otherwise(t
         return levers_for(opt, graphs.one_gpu_defaults(opt, world, TASKS[task]))
     assert levers('--device', '0') == Levers(), 'no CUDA here'
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    graphs_and_writer = dict(cuda_graphs=True, resident_grads=True, channels_last=True, checkpoint_process=True)
     assert levers('--device', '0') == replace(Levers(), **ONE_GPU_DEFAULTS) == replace(
-        Levers(), cuda_graphs=True, channels_last=True, host_targets=True, dense_box_loss=True)
-    assert levers('--device', '0', task='segment-dual') == replace(Levers(), cuda_graphs=True, channels_last=True), \
+        Levers(), **graphs_and_writer, host_targets=True, dense_box_loss=True)
+    assert levers('--device', '0', task='segment-dual') == replace(Levers(), **graphs_and_writer), \
         'the loss levers only where the loss takes them'
     assert levers('--device', 'cpu') == levers('--device', '0,1', world=2) == Levers()
     assert levers('--device', '0', '--resume') == Levers(), "a resume keeps the run's own (recorded) levers"
-    loss_levers = replace(Levers(), channels_last=True, host_targets=True, dense_box_loss=True)
-    assert levers('--device', '0', '--multi-scale') == loss_levers
-    assert levers('--device', '0', '--batch-size', '-1') == loss_levers, 'AutoBatch'
-    assert levers('--device', '0', '--levers', 'channels_last=0,dense_box_loss=0') == replace(
-        Levers(), cuda_graphs=True, host_targets=True)
-    assert levers('--device', '0', '--deterministic') == replace(Levers(), **DETERMINISTIC), \
+    without_graphs = replace(Levers(), channels_last=True, checkpoint_process=True, host_targets=True,
+                             dense_box_loss=True)  # resident_grads goes with the graphs, whose clones it takes out
+    assert levers('--device', '0', '--multi-scale') == without_graphs
+    assert levers('--device', '0', '--batch-size', '-1') == without_graphs, 'AutoBatch'
+    assert levers('--device', '0', '--levers', 'channels_last=0,dense_box_loss=0,checkpoint_process=0') == replace(
+        Levers(), cuda_graphs=True, resident_grads=True, host_targets=True)
+    assert levers('--device', '0', '--deterministic') == replace(Levers(), **DETERMINISTIC, checkpoint_process=True), \
         'upstream\'s numerics, and host_targets, which alone did not pay, left out with dense_box_loss'
     assert levers('--device', '0', '--deterministic', '--levers', 'host_targets=1') == replace(
-        Levers(), **DETERMINISTIC, host_targets=True)
+        Levers(), **DETERMINISTIC, checkpoint_process=True, host_targets=True)
 
 
 def test_a_runs_cuda_graphs_turns_off_in_one_line_where_a_resume_cannot_use_it(tmp_path, monkeypatch):

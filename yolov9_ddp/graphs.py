@@ -50,10 +50,11 @@ def one_gpu_defaults(opt, world_size: int, task) -> dict:
     """The levers.ONE_GPU_DEFAULTS a new run takes here: none on CPUs, on more processes or on resume (a run keeps
     its own); the loss levers only where the task's loss takes them, and host_targets, which alone did not pay, not
     under --deterministic, which turns dense_box_loss off; cuda_graphs only where no_graphs_by_default finds no
-    reason against it."""
+    reason against it, and resident_grads with it (measured there: it takes out the graphs' clones)."""
     if opt.resume or world_size > 1 or no_cuda(opt):
         return {}
-    left_out = {'cuda_graphs': no_graphs_by_default(opt, world_size),
+    no_graphs = no_graphs_by_default(opt, world_size)
+    left_out = {'cuda_graphs': no_graphs, 'resident_grads': no_graphs,
                 'host_targets': not task.takes_loss_levers or opt.deterministic,
                 'dense_box_loss': not task.takes_loss_levers}
     return {name: value for name, value in ONE_GPU_DEFAULTS.items() if not left_out.get(name)}

@@ -61,10 +61,15 @@ class Levers:
 # and dense_box_loss on top of host_targets 1.065x (3 pairs each); dense_box_loss kept parity over 3 seeds (its sums
 # run in another order). host_targets alone did not pay (the defaults without it: 1.008x), as it leaves the box
 # loss's 10 waits a step, so --deterministic, which turns dense_box_loss off, leaves it off (graphs.py).
-# checkpoint_process waits for a GPU's measurement: the eighth session's call with it timed checkpoints that were
-# never written (the bench's instruments broke them; bench/RESULTS.md), so only the CPUs' 0.27 s against 0.77 s
-# stands. So do resident_grads, one_cpu_thread and graphed_loss, built without a GPU (bench/PLAN.md has their calls).
-ONE_GPU_DEFAULTS = {'cuda_graphs': True, 'channels_last': True, 'host_targets': True, 'dense_box_loss': True}
+# On an H100 (bench/RESULTS.md, 2026-12-06, eleventh session) resident_grads trained 1.111x the defaults end to end
+# (3 pairs, 1.072 to 1.119; the same numbers: test_levers), so it joined them where cuda_graphs does (its clones are
+# the graphs'); and in one run whose periodic checkpoints the writer's thread and checkpoint_process wrote in turn,
+# each of the process's lost less training than the thread's beside it (0.05-0.25 s against 0.35-0.89 s), so it
+# joined them too (it acts where periodic checkpoints are asked for). graphed_loss did not pay against the defaults
+# of then (1.013x, 3 pairs, 0.963 to 1.039): it is measured once more over these, and removed if it does not pay
+# there; one_cpu_thread waits for its call (bench/PLAN.md).
+ONE_GPU_DEFAULTS = {'cuda_graphs': True, 'channels_last': True, 'host_targets': True, 'dense_box_loss': True,
+                    'resident_grads': True, 'checkpoint_process': True}
 
 # the levers that change the arithmetic or let it vary from run to run: --deterministic turns them off
 # (foreach_ema is not one of them: its kernels do upstream's arithmetic, bit for bit, yolov9_ddp/ema.py)
