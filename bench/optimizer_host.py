@@ -3,7 +3,8 @@
 bf16 without the GradScaler could save at most (the scaler's own work), and what a step without its per-parameter
 Python loops (a flat gradient buffer, or the step in a CUDA graph) could save at most (all of it).
 
-    python bench/optimizer_host.py OUT.json [--cfg models/detect/yolov9-s.yaml] [--steps 300]   (cwd: the kit tree)
+    python bench/optimizer_host.py OUT.json [--cfg models/detect/yolov9-s.yaml] [--steps 300] [--accumulate 2]
+                                                                                   (cwd: the kit tree)
 
 The parameters are stand-ins of one element each, in the parameter groups smart_optimizer makes of the real model,
 so that the time is the host's (Python and dispatch), not the arithmetic; the optimizer is the kit's fused SGD on
