@@ -151,7 +151,7 @@ def become(argv, env: dict, streams: dict, cwd, new_session: bool, script_sys_pa
     for signum in signal.valid_signals():  # as exec leaves them: the handled to their default, the ignored ignored
         if callable(signal.getsignal(signum)):
             signal.signal(signum, signal.SIG_DFL)
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # ignored in a shell's background job (nohup)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # a script's `cmd &` runs cmd with it ignored
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python's start-up then installs it
     os.environ.clear()
     os.environ.update({**preloaded_env, **env})
