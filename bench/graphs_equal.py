@@ -3,10 +3,7 @@
 accumulated) of the kit's trainer on a fixed batch, eager twice and graphed twice from the same weights and
 BatchNorm statistics, --deterministic: which model outputs and parameter gradients differ, and by how much.
 
-    cd KIT_TREE && python bench/graphs_equal.py OUT.json [--graphed-loss] ARGS    ARGS: ddp_train_dual.py's
-
---graphed-loss: the lever graphed_loss instead, the model and the loss in one graph (graphs.ModelAndLoss), the dense
-box loss on both sides (which --deterministic leaves out of a run); the outputs compared are the loss and its items.
+    cd KIT_TREE && python bench/graphs_equal.py OUT.json ARGS      ARGS: ddp_train_dual.py's (--data, --cfg, ...)
 """
 import copy
 import json
@@ -21,38 +18,22 @@ import torch  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from gpu_step import TASK, kit_trainer  # noqa: E402
-from yolov9_ddp import boxloss, cli, comm, graphs  # noqa: E402
+from yolov9_ddp import cli, comm, graphs  # noqa: E402
 from yolov9_ddp.levers import CUBLAS_WORKSPACE  # noqa: E402
 
 
-def micro_steps(trainer, loss_of, state, images, count=2):
-    """count micro-steps accumulating their gradients, from the weights and statistics of state; loss_of(batch):
-    (the outputs to compare, the loss)."""
+def micro_steps(trainer, forward, state, images, targets, count=2):
+    """count micro-steps accumulating their gradients, from the weights and statistics of state."""
     trainer.raw_model.load_state_dict(state)
     trainer.optimizer.zero_grad()
     for flipped in range(count):
         batch = images.flip(-1) if flipped % 2 else images  # another batch of the same shape
         with torch.amp.autocast('cuda', cache_enabled=False):
-            outputs, loss = loss_of(batch)
+            pred = forward(batch)
+            loss, _ = trainer.compute_loss(pred, targets)
         loss.backward()  # unscaled: GradScaler's first scale overflows the first layers' gradients (NaN)
     grads = {n: p.grad.detach().clone() for n, p in trainer.raw_model.named_parameters() if p.grad is not None}
-    return [t.detach().clone() for t in tree_leaves(outputs)], grads
-
-
-def model_then_loss(trainer, forward, targets):
-    """loss_of for forward (the model, or its graphs): the model's outputs are compared."""
-    def loss_of(batch):
-        pred = forward(batch)
-        return pred, trainer.compute_loss(pred, targets)[0]
-    return loss_of
-
-
-def loss_and_items(loss_of):
-    """loss_of for a forward that returns the loss and its items (the eager loss, or graphed_loss's graphs)."""
-    def compared(batch):
-        loss, items = loss_of(batch)
-        return (loss, items), loss
-    return compared
+    return [t.detach().clone() for t in tree_leaves(pred)], grads
 
 
 def compare(a, b) -> dict:
@@ -64,21 +45,8 @@ def compare(a, b) -> dict:
             'first_differing': grads[:3], 'last_differing': grads[-3:], 'worst_relative': worst}
 
 
-def sides(trainer, targets, graphed_loss: bool) -> tuple:
-    """(eager loss_of, graphed loss_of): the lever cuda_graphs, or graphed_loss (both sides with the dense box loss)."""
-    model = trainer.raw_model
-    if not graphed_loss:
-        return model_then_loss(trainer, model, targets), model_then_loss(trainer, graphs.GraphedModel(model), targets)
-    boxloss.weigh_every_anchor(trainer.compute_loss)
-    graphed = graphs.GraphedModel(graphs.ModelAndLoss(model, trainer.compute_loss))
-    return (loss_and_items(lambda batch: trainer.compute_loss(model(batch), targets)),
-            loss_and_items(lambda batch: graphed(batch, trainer.padded_targets(targets, batch))))
-
-
 def main():
     out, args = Path(sys.argv[1]), sys.argv[2:]
-    graphed_loss = '--graphed-loss' in args
-    args = [arg for arg in args if arg != '--graphed-loss']
     opt = cli.parse_args([*args, '--deterministic'], Path.cwd(), TASK)
     cli.check_options(opt, 1, TASK)
     os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', CUBLAS_WORKSPACE)  # before CUDA starts, as entry.py
@@ -86,9 +54,9 @@ def main():
     with comm.process_group(device):
         trainer, images, targets = kit_trainer(opt, device)
         state = copy.deepcopy(trainer.raw_model.state_dict())
-        eager_side, graphed_side = sides(trainer, targets, graphed_loss)
-        eager = [micro_steps(trainer, eager_side, state, images) for _ in range(2)]
-        graphed = [micro_steps(trainer, graphed_side, state, images) for _ in range(2)]
+        eager = [micro_steps(trainer, trainer.raw_model, state, images, targets) for _ in range(2)]
+        graphed_model = graphs.GraphedModel(trainer.raw_model)
+        graphed = [micro_steps(trainer, graphed_model, state, images, targets) for _ in range(2)]
         report = {'eager_vs_eager': compare(*eager), 'graphed_vs_graphed': compare(*graphed),
                   'eager_vs_graphed': compare(eager[0], graphed[0])}
     print(json.dumps(report, indent=1))

@@ -13,7 +13,7 @@ import yaml
 
 from testsupport import faults
 from testsupport.jobs import launch_cmd, run, train_args
-from testsupport.trees import TINY_CFG, describe as describe_result
+from testsupport.trees import describe as describe_result
 from yolov9_ddp import checkpoint, cli, graphs
 from yolov9_ddp.levers import (DETERMINISTIC, ONE_GPU_DEFAULTS, Levers, describe, fused_optimizer, levers_for,
                                parse_levers, record_levers, requested_levers, resumed_levers)
@@ -164,7 +164,7 @@ def test_cuda_graphs_is_refused_in_one_line_where_it_cannot_work(tmp_path, monke
     assert graphs.unsupported(cli.parse_args(['--device', '0'], tmp_path, TASKS['detect-dual']), 1) == ''
 
 
-def test_a_lever_that_would_change_nothing_in_the_run_is_refused_in_one_line(tmp_path, monkeypatch):
+def test_a_lever_that_would_change_nothing_in_the_run_is_refused_in_one_line(tmp_path):
     def refusal(task, *args):
         with pytest.raises(cli.UsageError) as refused:
             cli.check_options(cli.parse_args(list(args), tmp_path, TASKS[task]), 1, TASKS[task])
@@ -172,30 +172,14 @@ def test_a_lever_that_would_change_nothing_in_the_run_is_refused_in_one_line(tmp
 
     def checked(task, *args):  # where it acts: no refusal
         opt = cli.parse_args(list(args), tmp_path, TASKS[task])
-        cli.refuse_levers_without_effect(levers_for(opt, graphs.one_gpu_defaults(opt, 1, TASKS[task])), opt,
-                                         TASKS[task], 1)
-    for name in ('host_targets', 'dense_box_loss', 'graphed_loss'):
+        cli.refuse_levers_without_effect(levers_for(opt), opt, TASKS[task])
+    for name in ('host_targets', 'dense_box_loss'):
         assert refusal('segment-dual', '--levers', f'{name}=1') == (
             f"--levers {name}=1 is for the detection losses; segment/ddp_train_dual.py trains with upstream's "
             f"segmentation loss, which has no use for it")
-        if name != 'graphed_loss':  # it needs a GPU's graphs (below)
-            checked('detect-triple', '--levers', f'{name}=1')
-    assert refusal('detect', '--device', 'cpu', '--levers', 'graphed_loss=1') == (
-        "--levers graphed_loss=1 captures the loss in the model's CUDA graphs, and this run has none "
-        "(cuda_graphs=1 needs a CUDA device)")
-    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)  # the rules past the device
-    checked('detect-triple', '--device', '0', '--levers', 'graphed_loss=1')  # with the one-GPU defaults
-    assert refusal('detect', '--device', '0', '--levers', 'graphed_loss=1,cuda_graphs=0').endswith(
-        'and this run has none (cuda_graphs=0)')
-    assert refusal('detect', '--device', '0', '--batch-size', '-1', '--levers', 'graphed_loss=1').endswith(
-        'and this run has none (cuda_graphs=1 is left out under AutoBatch (--batch-size -1))')
-    assert refusal('detect', '--device', '0', '--levers', 'graphed_loss=1,dense_box_loss=0').startswith(
-        "--levers graphed_loss=1 needs dense_box_loss=1: upstream's box loss reads the size of its foreground")
-    monkeypatch.undo()
+        checked('detect-triple', '--levers', f'{name}=1')
     assert refusal('detect', '--levers', 'fill_uninitialized=1').startswith(
         '--levers fill_uninitialized=1 acts under --deterministic only')
-    assert refusal('detect-dual', '--device', 'cpu', '--levers', 'one_cpu_thread=1').startswith(
-        '--levers one_cpu_thread=1 is for training on a GPU')
     checked('detect', '--deterministic', '--levers', 'fill_uninitialized=1')
 
 
@@ -238,10 +222,6 @@ def test_a_runs_cuda_graphs_turns_off_in_one_line_where_a_resume_cannot_use_it(t
     assert graphs.off_where_unsupported(opt, 1, {}, said.append) == opt.levers and len(said) == 1, 'one GPU: kept'
     assert parse_levers(graphs.off_where_unsupported(opt, 2, {}, said.append))['cuda_graphs'] is False
     assert 'one GPU only' in said[-1]
-    opt.levers = describe(replace(Levers(), cuda_graphs=True, dense_box_loss=True, graphed_loss=True))
-    assert parse_levers(graphs.off_where_unsupported(opt, 2, {}, said.append)) == asdict(
-        replace(Levers(), dense_box_loss=True)), 'the loss in the graphs goes with them'
-    assert said[-1].startswith('levers changed on resume: cuda_graphs 1 -> 0, graphed_loss 1 -> 0 (in those graphs), ')
 
 
 @pytest.mark.usefixtures('upstream_importable')
@@ -341,53 +321,6 @@ def test_cuda_graphs_accumulates_gradients_over_micro_steps_as_eager_with_reside
     assert resident.clones == {} and torch.equal(model.weight.grad, torch.zeros(3, 4)), 'zeroed in place, no clone'
 
 
-def eager_capture(module, samples):
-    """A stand-in capture: the module itself, and a record of the shapes it was captured for."""
-    eager_capture.shapes.append([tuple(sample.shape) for sample in samples])
-    return module
-
-
-@pytest.mark.usefixtures('upstream_importable')
-def test_graphed_loss_replays_the_model_and_the_loss_for_targets_padded_to_a_few_sizes_with_the_eager_numbers(
-        patched_tree):
-    """The lever graphed_loss: a micro-step calls one graphed module, the model and the loss's padded part (patch
-    0019), with the targets as the loss pads them (the image size its scale) and rows of zeros up to a power of two
-    from 16; a capture per such size: batches with 3 and 9 targets an image share one, 20 takes another. Under a
-    stand-in capture, the loss, its items (no gradient carried) and the gradients equal the eager loss's bit for
-    bit, for a batch with no target too (upstream's branch for none against 16 rows of zeros)."""
-    from models.yolo import Model
-    from yolov9_ddp.trainer import Trainer
-    torch.manual_seed(0)
-    model = Model(str(TINY_CFG), ch=3, nc=2)
-    model.hyp = yaml.safe_load((patched_tree / 'data/hyps/hyp.scratch-high.yaml').read_text())
-    levers = replace(Levers(), cuda_graphs=True, dense_box_loss=True, graphed_loss=True)
-    task = TASKS['detect-dual']
-    loss = task.loss(model, SimpleNamespace(), levers)
-    eager_capture.shapes = []
-    graphed = SimpleNamespace(levers=levers, task=task, compute_loss=loss, device=torch.device('cpu'),
-                              forward=graphs.GraphedModel(graphs.ModelAndLoss(model, loss), capture=eager_capture))
-    graphed.padded_targets = lambda targets, imgs: Trainer.padded_targets(graphed, targets, imgs)
-    eager = SimpleNamespace(levers=Levers(), task=task, compute_loss=loss, forward=model)
-    for trainer in (graphed, eager):
-        trainer.loss_in_graphs = Trainer.loss_in_graphs.fget(trainer)
-
-    def numbers(trainer, imgs, targets):
-        model.zero_grad()
-        value, items = Trainer.loss_of(trainer, imgs, targets, {})
-        value.backward()
-        return value, items, [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    g = torch.Generator().manual_seed(1)
-    for per_image in (3, 9, 20, 0):
-        imgs = torch.rand(2, 3, 64, 96, generator=g)
-        boxes = torch.rand(2 * per_image, 4, generator=g) * 0.4 + 0.1
-        targets = torch.cat([torch.arange(2).repeat_interleave(per_image)[:, None].float(),
-                             torch.randint(0, 2, (2 * per_image, 1), generator=g).float(), boxes], 1)
-        (value, items, grads), expected = numbers(graphed, imgs, targets), numbers(eager, imgs, targets)
-        assert torch.equal(value, expected[0]) and torch.equal(items, expected[1]) and not items.requires_grad
-        assert len(grads) == len(expected[2]) and all(map(torch.equal, grads, expected[2])), per_image
-    assert eager_capture.shapes == [[(2, 3, 64, 96), (2, 16, 5)], [(2, 3, 64, 96), (2, 32, 5)]]
-
-
 def test_a_run_records_every_lever_in_its_options():
     opt = options('cudnn_benchmark=0,progress_every=3')
     levers = record_levers(opt)
@@ -416,6 +349,28 @@ def test_a_recorded_lever_this_kit_no_longer_has_is_ignored_with_a_warning():
     resumed = resumed_levers({'levers': 'warp_drive=1,pin_memory=0'}, {}, said.append)
     assert parse_levers(resumed) == asdict(replace(Levers(), pin_memory=False))
     assert said == ["the run recorded the lever 'warp_drive', which this kit does not have: ignored"]
+
+
+@pytest.mark.usefixtures('upstream_importable')
+def test_a_run_that_recorded_the_retired_levers_off_resumes_without_a_word(tmp_path, monkeypatch):
+    """graphed_loss and one_cpu_thread were removed (levers.RETIRED) after every run had recorded them, off (their
+    default then) but in the runs that measured them: off they changed nothing, so a resume drops them silently; one
+    recorded on is warned about, as any lever this kit does not have. Given on a command line they are unknown."""
+    from yolov9_ddp import runs, trainer
+    task = TASKS['detect-dual']
+    recorded = {**vars(cli.parse_args(['--device', 'cpu'], tmp_path, task)),
+                'levers': f'{describe(Levers())},graphed_loss=0,one_cpu_thread=0'}  # as a run of kit 0.5.0 has them
+    plan = runs.RunPlan(tmp_path / 'exp', resume_from=tmp_path / 'exp' / 'weights' / 'last.pt', options=recorded)
+    argv = ['--resume', str(plan.resume_from)]
+    opt, said = cli.parse_args(argv, tmp_path, task), []
+    monkeypatch.setattr(trainer.LOGGER, 'info', said.append)
+    trainer.restore_resumed_options(opt, plan, cli.given_flags(argv, tmp_path, task))
+    assert opt.levers == describe(Levers()) and said == []
+    cli.check_options(opt, 1, task)
+    assert resumed_levers({'levers': 'graphed_loss=1,one_cpu_thread=0'}, {}, said.append) == describe(Levers())
+    assert said == ["the run recorded the lever 'graphed_loss', which this kit does not have: ignored"]
+    with pytest.raises(ValueError, match="unknown lever 'one_cpu_thread'"):
+        levers_for(options('one_cpu_thread=0'))
 
 
 def final_weights(tree, data, project, levers_on: bool) -> dict:

@@ -576,29 +576,23 @@ def loss_of(module, cfg, device):
 
 class BlockingCopiesFail(TorchFunctionMode):
     # meta takes host data into its ops silently, where a GPU first copies it over and waits for the copy
-    # (any_copy: where it copies at all)
-    def __init__(self, any_copy=False):
-        super().__init__()
-        self.any_copy = any_copy
-
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        if copies_host_data(func, args, kwargs, result, self.any_copy):
-            raise RuntimeError(f'{func.__name__}: a {"" if self.any_copy else "blocking "}copy of host data to the device')
+        if copies_host_data_blocking(func, args, kwargs, result):
+            raise RuntimeError(f'{func.__name__}: a blocking copy of host data to the device')
         return result
 
 
-def copies_host_data(func, args, kwargs, result, any_copy) -> bool:
+def copies_host_data_blocking(func, args, kwargs, result) -> bool:
     # a host tensor beside a device tensor, a list used as an index, torch.tensor(..., device=...), a blocking
-    # .to(device) (any_copy: a non-blocking one too). A host scalar is a kernel's argument, no copy.
+    # .to(device). A host scalar is a kernel's argument, no copy.
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     host_data = any(t.device.type == 'cpu' and t.dim() > 0 for t in tensors)
     if any(t.is_meta for t in tensors):
         return host_data or func in INDEXING and has_list(args[1])
     made_on_device = func in (torch.tensor, torch.Tensor.to) and getattr(result, 'is_meta', False)
-    blocking = any_copy or not kwargs.get('non_blocking')
-    return made_on_device and blocking and (host_data or func is torch.tensor)
+    return made_on_device and not kwargs.get('non_blocking') and (host_data or func is torch.tensor)
 
 
 INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
@@ -625,36 +619,10 @@ def first_read(module, cfg):
     return 'nowhere'
 
 
-def padding_rows(loss, rows):
-    # padded_loss (patch 0019) given its targets with rows of zeros added, up to rows, as a trainer that captures it
-    # in a CUDA graph pads them
-    padded_loss = loss.padded_loss
-    loss.padded_loss = lambda p, targets: padded_loss(p, torch.nn.functional.pad(targets, (0, 0, 0, rows - targets.shape[1])))
-
-
-def first_host_copy(module, cfg):
-    # where the loss first takes data from the host, called whole and as padded_loss (its targets on the device):
-    # a CUDA graph cannot capture any such copy, blocking or not
-    model, loss = loss_of(module, cfg, 'meta')
-    outputs = model(torch.zeros(2, 3, 64, 64, device='meta'))
-    calls = {'whole': lambda: loss(outputs, torch.tensor(TARGETS['apart'])),
-             'padded_loss': lambda: loss.padded_loss(outputs, torch.zeros(2, 8, 5, device='meta'))}
-    found = dict.fromkeys(calls, 'none')
-    for part, call in calls.items():
-        try:
-            with BlockingCopiesFail(any_copy=True):
-                call()
-        except Exception as e:
-            found[part] = str(e).split(':')[0]
-    return found
-
-
-def cpu_numbers(module, cfg, targets, rows=None):
+def cpu_numbers(module, cfg, targets):
     # the loss, its items and the gradients' bytes (exact), and the gradients' sum and sum of squares (to compare
-    # with a tolerance); rows: padded_loss's targets padded with zeros to so many rows
+    # with a tolerance)
     model, loss = loss_of(module, cfg, 'cpu')
-    if rows:
-        padding_rows(loss, rows)
     value, items = loss(model(torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))),
                         torch.tensor(targets).reshape(-1, 6))
     value.backward()
@@ -664,14 +632,9 @@ def cpu_numbers(module, cfg, targets, rows=None):
 
 
 cases, DENSE = json.loads(sys.argv[1]), sys.argv[2:] == ['dense']
-found = {'numbers': {f'{module} {name}': cpu_numbers(module, cfg, targets)
-                     for module, cfg in cases for name, targets in TARGETS.items()},
-         'reads': {module: first_read(module, cfg) for module, cfg in cases}}
-if all(hasattr(__import__(module, fromlist=['ComputeLoss']).ComputeLoss, 'padded_loss') for module, _ in cases):
-    found['padded to 8 rows'] = {f'{module} {name}': cpu_numbers(module, cfg, targets, rows=8)
-                                 for module, cfg in cases for name, targets in TARGETS.items()}
-    found['host copies'] = {module: first_host_copy(module, cfg) for module, cfg in cases}
-print(json.dumps(found))
+print(json.dumps({'numbers': {f'{module} {name}': cpu_numbers(module, cfg, targets)
+                              for module, cfg in cases for name, targets in TARGETS.items()},
+                  'reads': {module: first_read(module, cfg) for module, cfg in cases}}))
 """
 LOSS_CASES = [['utils.loss_tal', 'tiny.yaml'], ['utils.loss_tal_dual', 'tiny-dual.yaml'],
               ['utils.loss_tal_triple', 'tiny-triple.yaml']]
@@ -721,30 +684,13 @@ def test_0017_detection_losses_wait_for_the_gpu_only_in_their_box_losses_masked_
     assert exact(without) == exact(patched_losses)  # with boxes apart, sharing anchors, and none
 
 
-@pytest.fixture(scope='module')
-def dense_losses(patched_tree, tmp_path_factory) -> dict:
-    return losses(patched_tree, offline_environment(tmp_path_factory.mktemp('dense') / 'home'), 'dense')
-
-
 @pytest.mark.slow
-def test_the_lever_dense_box_loss_leaves_the_detection_losses_no_wait_and_their_numbers(dense_losses,
-                                                                                       patched_losses):
-    assert dense_losses['reads'] == first_reads('nowhere')
+def test_the_lever_dense_box_loss_leaves_the_detection_losses_no_wait_and_their_numbers(patched_tree,
+                                                                                       patched_losses, offline_env):
+    dense = losses(patched_tree, offline_env, 'dense')
+    assert dense['reads'] == first_reads('nowhere')
     for case, numbers in patched_losses['numbers'].items():  # sums in another order: the last bits may differ
-        assert dense_losses['numbers'][case]['approx'] == pytest.approx(numbers['approx'], rel=1e-5, abs=1e-9), case
-
-
-@pytest.mark.slow
-def test_0019_detection_losses_padded_part_copies_nothing_from_the_host_and_more_rows_of_zeros_change_no_bit(
-        patched_losses, dense_losses):
-    # a CUDA graph can capture padded_loss (the lever graphed_loss): no copy from the host in it, blocking or not
-    # (the image size's, before 0019), and the targets padded to a fixed number of rows give the same loss, items
-    # and gradients, bit for bit, with the box loss of upstream and the dense one, for boxes apart, sharing anchors
-    # and none (8 rows of zeros where there was none)
-    for found in (patched_losses, dense_losses):
-        assert exact({'numbers': found['padded to 8 rows']}) == exact(found)
-    # (upstream's box loss cannot be captured anyway: masked_select's size is read on the host)
-    assert dense_losses['host copies'] == dict.fromkeys(dense_losses['reads'], {'whole': 'to', 'padded_loss': 'none'})
+        assert dense['numbers'][case]['approx'] == pytest.approx(numbers['approx'], rel=1e-5, abs=1e-9), case
 
 
 PADDING = """

@@ -198,9 +198,8 @@ def head_of(cfg) -> str:
         raise UsageError(f'{source}: not a YOLOv9 model config (it has no head)') from e
 
 
-def refuse_levers_without_effect(levers, opt, task, world_size: int):
-    """A lever that would change nothing in this run is refused in one line rather than ignored (levers: the run's,
-    its one-GPU defaults included)."""
+def refuse_levers_without_effect(levers, opt, task):
+    """A lever that would change nothing in this run is refused in one line rather than ignored."""
     given = [name for name in LOSS_LEVERS if getattr(levers, name)]
     if given and not task.takes_loss_levers:
         raise UsageError(f'--levers {given[0]}=1 is for the detection losses; {task.script} trains with upstream\'s '
@@ -208,16 +207,6 @@ def refuse_levers_without_effect(levers, opt, task, world_size: int):
     if levers.fill_uninitialized and not opt.deterministic:
         raise UsageError('--levers fill_uninitialized=1 acts under --deterministic only (torch fills new tensors under '
                          'deterministic algorithms): give --deterministic too, or leave the lever out')
-    if levers.one_cpu_thread and graphs.no_cuda(opt):
-        raise UsageError('--levers one_cpu_thread=1 is for training on a GPU (on CPUs the training is the CPU work, '
-                         'which needs the threads): leave it out')
-    if levers.graphed_loss and not levers.cuda_graphs:
-        why = graphs.no_graphs_by_default(opt, world_size)
-        raise UsageError('--levers graphed_loss=1 captures the loss in the model\'s CUDA graphs, and this run has none '
-                         f'({f"cuda_graphs=1 {why}" if why else "cuda_graphs=0"})')
-    if levers.graphed_loss and not levers.dense_box_loss:
-        raise UsageError('--levers graphed_loss=1 needs dense_box_loss=1: upstream\'s box loss reads the size of its '
-                         'foreground on the host, which a CUDA graph cannot hold')
 
 
 def check_options(opt, world_size: int, task):
@@ -253,8 +242,7 @@ def check_options(opt, world_size: int, task):
     if unsupported:
         raise UsageError(f'--levers cuda_graphs=1 {unsupported}')
     if not opt.resume:  # a run recorded before these refusals goes on as it started
-        refuse_levers_without_effect(levers_for(opt, graphs.one_gpu_defaults(opt, world_size, task)), opt, task,
-                                     world_size)
+        refuse_levers_without_effect(levers, opt, task)
     for flag in ('data', 'hyp', 'weights'):
         value = getattr(opt, flag)
         if value and not opt.resume and not str(value).startswith(('http://', 'https://')) \

@@ -7,9 +7,6 @@ slowly than the GPU runs them (bench/RESULTS.md, "Where the loop's time goes"); 
 One capture per input shape: a run's batches share one, its last batch may have another (--multi-scale and --rect,
 whose shapes change every step, are refused). A capture runs the model forward and backward a few times on the
 batch it is given; BatchNorm's running statistics are put back afterwards, so the run's arithmetic stays its own.
-
-The lever graphed_loss captures the detection loss with the model (ModelAndLoss): the loss's padded part (patch
-0019) takes the targets padded to padded_rows(n) rows, so a run needs one capture per input shape and such size.
 """
 from contextlib import contextmanager
 from dataclasses import replace
@@ -69,10 +66,9 @@ def off_where_unsupported(opt, world_size: int, given: dict, log=print) -> str:
     reason = levers.cuda_graphs and 'cuda_graphs' not in given and unsupported(opt, world_size)
     if not reason:
         return opt.levers
-    changes = 'cuda_graphs 1 -> 0' + (', graphed_loss 1 -> 0 (in those graphs)' if levers.graphed_loss else '')
-    log(f'levers changed on resume: {changes}, as this start cannot use it (cuda_graphs=1 {reason}); '
+    log(f'levers changed on resume: cuda_graphs 1 -> 0, as this start cannot use it (cuda_graphs=1 {reason}); '
         'a resume on one GPU turns it on again with --levers cuda_graphs=1')
-    return describe(replace(levers, cuda_graphs=False, graphed_loss=False))
+    return describe(replace(levers, cuda_graphs=False))
 
 
 class GraphedModel:
@@ -96,39 +92,19 @@ class GraphedModel:
         for parameter in [parameter for parameter in self.clones if parameter.grad is not None]:
             self.clones.pop(parameter).remove()
 
-    def __call__(self, *inputs: torch.Tensor):
-        key = tuple((tuple(x.shape), x.dtype, x.is_contiguous(memory_format=torch.channels_last)) for x in inputs)
+    def __call__(self, imgs: torch.Tensor):
+        key = (tuple(imgs.shape), imgs.dtype, imgs.is_contiguous(memory_format=torch.channels_last))
         if key not in self.graphed:
-            self.graphed[key] = self.capture(self.model, inputs)
-        return self.graphed[key](*inputs)
+            self.graphed[key] = self.capture(self.model, imgs)
+        return self.graphed[key](imgs)
 
 
-class ModelAndLoss(torch.nn.Module):
-    """The lever graphed_loss: the model's forward and the detection loss's padded part (patch 0019) as one module,
-    captured as one graph, so that the loss's operators (715 a micro-step for yolov9-s, bench/op_count.py) and its
-    backward's are replayed instead of issued one by one. Returns the loss and its items, as the loss does."""
-
-    def __init__(self, model: torch.nn.Module, compute_loss):
-        super().__init__()
-        self.model, self.compute_loss = model, compute_loss  # upstream's ComputeLoss, with the dense box loss
-
-    def forward(self, imgs: torch.Tensor, padded_targets: torch.Tensor):
-        return self.compute_loss.padded_loss(self.model(imgs), padded_targets)
-
-
-def padded_rows(rows: int) -> int:
-    """The rows the lever graphed_loss pads a step's targets to (rows: the most targets an image of the batch has):
-    the next power of two from 16, so that a run needs a few captures, each with memory of its own (the model's
-    graphs alone took 2.4 GB at batch 32 on an H200, bench/RESULTS.md). Rows of zeros change no result (patch 0019)."""
-    return max(16, 1 << (rows - 1).bit_length())
-
-
-def capture_graphs(model: torch.nn.Module, samples: tuple):
-    """The graphed forward of model for inputs like samples. Call under autocast(cache_enabled=False) where the
+def capture_graphs(model: torch.nn.Module, sample: torch.Tensor):
+    """The graphed forward of model for inputs like sample. Call under autocast(cache_enabled=False) where the
     training step autocasts: the graph records the casts of the context it is captured in."""
     statistics = {name: buffer.clone() for name, buffer in model.named_buffers()}
     with captures_checking_this_thread():
-        torch.cuda.make_graphed_callables(model, tuple(sample.clone() for sample in samples), allow_unused_input=True)
+        torch.cuda.make_graphed_callables(model, (sample.clone(),), allow_unused_input=True)
     graphed = model.forward  # make_graphed_callables sets the module's forward to the graphed one: kept here ...
     del model.forward  # ... and the module's own restored, so that copies, checkpoints and eval mode stay plain
     with torch.no_grad():

@@ -19,6 +19,10 @@ run on one GPU where measured (ONE_GPU_DEFAULTS), and refused on CPUs, with DDP,
 A lever that does not pay is removed, not kept: torch.compile (--compile) is refused with the measurement that
 removed it (REMOVED). Activations out of place (undoing upstream's inplace=True) were measured on one H200 and
 removed: 0.98x in the GPU-only step, 1.03x end to end, both inside the spread of their pairs (bench/RESULTS.md).
+So were graphed_loss (the detection loss captured with the model in its CUDA graphs, with patch 0019) and
+one_cpu_thread (the training process's CPU work on one thread), on one H200 on 2026-12-06: 0.993x (0.991-1.058) and
+1.042x (0.971-1.076) the one-GPU defaults end to end, each inside the spread of its pairs (bench/RESULTS.md); the runs
+that recorded them resume without them (RETIRED).
 """
 import os
 from dataclasses import dataclass, fields, replace
@@ -45,10 +49,6 @@ class Levers:
     dense_box_loss: bool = False  # detection box losses over every anchor: no masked_select waits (boxloss.py)
     checkpoint_process: bool = False  # periodic checkpoints written by a child process (checkpoint_process.py)
     resident_grads: bool = False  # gradients zeroed in place between optimizer steps, not freed (graphs.py)
-    one_cpu_thread: bool = False  # on a GPU, the training process's CPU tensor work on one thread, as torchrun
-    # sets for several processes: its intra-op pool (a thread per core) may otherwise run beside the loader's workers
-    graphed_loss: bool = False  # the detection loss captured with the model in its CUDA graphs (graphs.ModelAndLoss):
-    # needs cuda_graphs and dense_box_loss
 
 
 # The defaults of a new run on one CUDA process, measured there (bench/RESULTS.md, "One-GPU defaults": 2.1x
@@ -65,27 +65,30 @@ class Levers:
 # (3 pairs, 1.072 to 1.119; the same numbers: test_levers), so it joined them where cuda_graphs does (its clones are
 # the graphs'); and in one run whose periodic checkpoints the writer's thread and checkpoint_process wrote in turn,
 # each of the process's lost less training than the thread's beside it (0.05-0.25 s against 0.35-0.89 s), so it
-# joined them too (it acts where periodic checkpoints are asked for). graphed_loss did not pay against the defaults
-# of then (1.013x, 3 pairs, 0.963 to 1.039): it is measured once more over these, and removed if it does not pay
-# there; one_cpu_thread waits for its call (bench/PLAN.md).
+# joined them too (it acts where periodic checkpoints are asked for).
 ONE_GPU_DEFAULTS = {'cuda_graphs': True, 'channels_last': True, 'host_targets': True, 'dense_box_loss': True,
                     'resident_grads': True, 'checkpoint_process': True}
 
 # the levers that change the arithmetic or let it vary from run to run: --deterministic turns them off
 # (foreach_ema is not one of them: its kernels do upstream's arithmetic, bit for bit, yolov9_ddp/ema.py)
 DETERMINISTIC = {'cudnn_benchmark': False, 'fused_optimizer': False, 'channels_last': False, 'dense_box_loss': False}
-LOSS_LEVERS = ('host_targets', 'dense_box_loss', 'graphed_loss')  # what the detection losses take (tasks.Detection)
+LOSS_LEVERS = ('host_targets', 'dense_box_loss')  # what the detection losses take (tasks.Detection.takes_loss_levers)
 CUBLAS_WORKSPACE = ':4096:8'  # what cuBLAS needs for deterministic results (upstream's init_seeds sets it too)
 
 
 REMOVED = {'compile': 'torch.compile does not pay for YOLOv9 training: yolov9-s had not finished compiling its first '
                       'epoch after 5 minutes on an H200, and on a CPU its first epoch took 623 s instead of 13 s and '
                       'the next ones longer than without it (bench/RESULTS.md); train without it'}
+# Levers removed after runs recorded them: a run records its complete set (describe), so the runs of earlier kits hold
+# these, mostly off (=0, their default then). A resume drops an off one without a word, as it changed nothing there;
+# one that was on is warned about, as any lever this kit does not have.
+RETIRED = ('graphed_loss', 'one_cpu_thread')
 
 
 def parse_levers(text: str, known_only=True, warn=print) -> dict:
     """'name=value,...' -> {name: typed value}; a bad value raises ValueError, and so does an unknown name unless
-    known_only is False (the levers a run recorded under another kit version: unknown ones are warned about)."""
+    known_only is False (the levers a run recorded under another kit version: unknown ones are warned about, but
+    for a RETIRED one that was off)."""
     known = {f.name: f.type for f in fields(Levers)}
     overrides = {}
     for item in filter(None, (part.strip() for part in text.split(','))):
@@ -95,7 +98,8 @@ def parse_levers(text: str, known_only=True, warn=print) -> dict:
         if name not in known:
             if known_only:
                 raise ValueError(f'--levers: unknown lever {name!r} (known: {", ".join(known)})')
-            warn(f'the run recorded the lever {name!r}, which this kit does not have: ignored')
+            if not retired_off(name, value):
+                warn(f'the run recorded the lever {name!r}, which this kit does not have: ignored')
             continue
         if known[name] in (bool, 'bool'):
             if value not in ('0', '1'):
@@ -106,6 +110,11 @@ def parse_levers(text: str, known_only=True, warn=print) -> dict:
                 raise ValueError(f'--levers: {name} takes a whole number >= 1, not {value!r}')
             overrides[name] = int(value)
     return overrides
+
+
+def retired_off(name: str, value: str) -> bool:
+    """Whether a recorded lever is a RETIRED one that was off, which its resume can drop silently."""
+    return name in RETIRED and value == '0'
 
 
 def requested_levers(options, known_only=True, warn=print) -> dict:

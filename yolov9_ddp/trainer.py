@@ -236,8 +236,6 @@ class Trainer:
         if opt.deterministic or not self.levers.cudnn_benchmark:  # upstream's choice of algorithms
             use_deterministic_algorithms(opt.seed + 1 + self.rank, self.levers.fill_uninitialized)
         torch.backends.cudnn.benchmark = self.levers.cudnn_benchmark
-        if self.levers.one_cpu_thread and self.cuda:  # refused on CPUs (cli); a resume there goes on without it
-            torch.set_num_threads(1)
         if opt.deterministic:
             LOGGER.info(f'--deterministic: levers {", ".join(f"{k}={int(v)}" for k, v in DETERMINISTIC.items())}, '
                         f'torch.use_deterministic_algorithms(True), fill_uninitialized_memory='
@@ -256,6 +254,7 @@ class Trainer:
         self.build_optimizer()
         self.build_loaders(gs)
         self.wrap_model()  # DDP makes every rank's weights rank 0's
+        self.forward = graphs.GraphedModel(self.model) if self.levers.cuda_graphs else self.model
         self.ema = ModelEMA(self.raw_model)  # so the EMA starts identical on every rank
         self.update_ema = EmaUpdater(self.ema, self.raw_model, self.levers.foreach_ema)
         self.scaler = torch.amp.GradScaler('cuda', enabled=self.amp)
@@ -263,26 +262,8 @@ class Trainer:
             self.restore(ckpt)
         del ckpt
         self.compute_loss = self.task.loss(self.raw_model, opt, self.levers)
-        self.forward = self.micro_step_forward()
         self.init_loop_state()
         freeze_long_lived_objects()
-
-    def micro_step_forward(self):
-        """What a micro-step calls: the model, or under cuda_graphs its graphs; with graphed_loss the model and the
-        loss in one (cli refuses it without cuda_graphs and the dense box loss; a resume that lacks them goes on
-        without it)."""
-        if not self.levers.cuda_graphs:
-            return self.model
-        if self.loss_in_graphs:
-            return graphs.GraphedModel(graphs.ModelAndLoss(self.model, self.compute_loss))
-        if self.levers.graphed_loss:
-            LOGGER.info('graphed_loss acts with dense_box_loss on a detection loss only: this start goes on without it')
-        return graphs.GraphedModel(self.model)
-
-    @property
-    def loss_in_graphs(self) -> bool:
-        levers = self.levers
-        return levers.graphed_loss and levers.cuda_graphs and levers.dense_box_loss and self.task.takes_loss_levers
 
     def initial_checkpoint(self):
         path = Path(self.opt.weights)
@@ -605,7 +586,8 @@ class Trainer:
         sync = nullcontext() if steps or self.world == 1 else self.model.no_sync()
         with sync:
             with torch.amp.autocast('cuda', enabled=self.amp, cache_enabled=not self.levers.cuda_graphs):
-                loss, loss_items = self.loss_of(imgs, targets, loss_inputs)
+                pred = self.forward(imgs)
+                loss, loss_items = self.compute_loss(pred, targets, **loss_inputs)
                 loss *= self.world  # DDP averages gradients over ranks; upstream's loss is a sum over the batch
                 if opt.quad:
                     loss *= 4.
@@ -614,23 +596,6 @@ class Trainer:
             self.optimizer_step()
             self.last_opt_step = ni
         return loss_items
-
-    def loss_of(self, imgs, targets, loss_inputs: dict):
-        """The micro-step's forward and loss: (loss, its items)."""
-        if not self.loss_in_graphs:
-            return self.compute_loss(self.forward(imgs), targets, **loss_inputs)
-        loss, loss_items = self.forward(imgs, self.padded_targets(targets, imgs))
-        return loss, loss_items.detach()  # the replay's output: no gradient to carry into the epoch's mean losses
-
-    def padded_targets(self, targets, imgs) -> torch.Tensor:
-        """The targets as the detection loss pads them for its padded part (patch 0019: __call__ scales them by the
-        image size, (w, h, w, h), whose values its float16 or float32 hold exactly), with rows of zeros up to
-        graphs.padded_rows, so that the graph captured for that many rows replays them."""
-        height, width = imgs.shape[2:]
-        scale = torch.tensor([width, height] * 2, dtype=torch.float32).to(self.device, non_blocking=True)
-        padded = self.compute_loss.preprocess(targets, imgs.shape[0], scale_tensor=scale)
-        rows = padded.shape[1]
-        return torch.nn.functional.pad(padded, (0, 0, 0, graphs.padded_rows(rows) - rows))
 
     def optimizer_step(self):
         self.scaler.unscale_(self.optimizer)
