@@ -16,7 +16,6 @@ import sys
 import pytest
 
 from testsupport.jobs import run, train_args
-from testsupport.faults import completed_run_problems, lingering
 from testsupport.slurm import (SCRIPTS, STOPPED, completed_after_stops_problems, held_first_start,
                                resumable_checkpoint_at_requeue, running_cluster, slowed_launcher, submit_training)
 from testsupport.trees import describe
@@ -107,15 +106,22 @@ def test_a_requeued_job_whose_command_cannot_continue_its_run_is_warned(patched_
 @pytest.mark.parametrize('script', SCRIPT_NAMES)
 def test_a_preempted_job_requeues_itself_and_completes_its_run(script, cluster, patched_tree, demo_data, offline_env,
                                                                tmp_path):
-    """Signalled mid-epoch like a pre-emption notice (SIGTERM to the batch shell only), the job stops after an
-    agreed step with a resumable last.pt, requeues itself, and its next start resumes that checkpoint in the same
-    run folder and completes every epoch, appending to the same log."""
-    job = submit_training(cluster, script, patched_tree, tmp_path, demo_data, EPOCHS, offline_env)
-    job.wait_for_epochs(1, JOB_DEADLINE_S)  # epoch 1 is under way
+    """Two pre-emption notices (SIGTERM to the batch shell only) to one job, each followed by a requeue, all its
+    starts appending to the same log. The first comes while the script's launcher starts (srun before its job step
+    exists, which `scancel --signal` cannot reach yet; torchrun before it handles signals): a wrapper first on the
+    job's PATH makes the launcher start slowly, so that the notice lands there every time, and it must not be lost.
+    The second comes mid-epoch: the training stops after an agreed step with a resumable last.pt, and the next
+    start resumes that checkpoint in the same run folder and completes every epoch."""
+    started = tmp_path / 'launcher-started'
+    job = submit_training(cluster, script, patched_tree, tmp_path, demo_data, EPOCHS, offline_env,
+                          first_on_path=slowed_launcher(tmp_path / 'wrapper', LAUNCHERS[script], started))
+    job.wait_for(lambda _: started.exists(), JOB_DEADLINE_S, f'start {LAUNCHERS[script]}')
     cluster.command('scancel', '--batch', '--signal=TERM', job.id)
-    saved = resumable_checkpoint_at_requeue(job, 120)
+    job.wait_for_epochs(1, JOB_DEADLINE_S)  # the next start's epoch 1 is under way
+    cluster.command('scancel', '--batch', '--signal=TERM', job.id)
+    saved = resumable_checkpoint_at_requeue(job, 120)  # the stop mid-epoch's requeue
     fields = job.wait_until_ended(JOB_DEADLINE_S)
-    problems = completed_after_stops_problems(job, fields, EPOCHS, stops=1)
+    problems = completed_after_stops_problems(job, fields, EPOCHS, stops=1, launch_stops=1)
     assert not problems, f'{problems}\n{saved}\n{job.output()[-6000:]}'
     # the stop wrote the state of the interrupted epoch beside the checkpoint of the epoch before it, and the
     # next start resumed from it (not from last.previous.pt) to run the interrupted epoch again
@@ -123,29 +129,6 @@ def test_a_preempted_job_requeues_itself_and_completes_its_run(script, cluster, 
     assert saved['updates'] >= saved['previous_updates'], saved
     last = job.run_dir / 'weights' / 'last.pt'
     assert f'resuming epoch {saved["epoch"] + 1} at step ' in job.output() and f'from {last}' in job.output(), saved
-
-
-@pytest.mark.slow
-@pytest.mark.usefixtures('upstream_importable')
-@pytest.mark.parametrize('script', SCRIPT_NAMES)
-def test_a_stop_asked_for_while_the_training_starts_is_not_lost(script, cluster, patched_tree, demo_data, offline_env,
-                                                                tmp_path):
-    """A pre-emption notice that comes while the script's launcher starts (srun before its job step exists, which
-    `scancel --signal` cannot reach yet; torchrun before it handles signals) still stops the job, which requeues
-    itself and completes its run. A wrapper first on the job's PATH makes the launcher start slowly, so that the
-    notice lands there every time."""
-    started = tmp_path / 'launcher-started'
-    job = submit_training(cluster, script, patched_tree, tmp_path, demo_data, EPOCHS, offline_env,
-                          first_on_path=slowed_launcher(tmp_path / 'wrapper', LAUNCHERS[script], started))
-    job.wait_for(lambda _: started.exists(), JOB_DEADLINE_S, f'start {LAUNCHERS[script]}')
-    cluster.command('scancel', '--batch', '--signal=TERM', job.id)
-    fields = job.wait_until_ended(JOB_DEADLINE_S)
-    output = job.output()
-    assert (fields.get('JobState'), fields.get('ExitCode'), fields.get('Restarts')) == ('COMPLETED', '0:0', '1'), \
-        f'{fields}\n{output[-6000:]}'
-    assert output.count('requeueing it to continue its run') == 1, output[-6000:]
-    assert not completed_run_problems(job.project, EPOCHS), output[-6000:]
-    assert not lingering(str(job.workdir)) and not cluster.active_jobs()
 
 
 @pytest.mark.slow

@@ -253,6 +253,7 @@ ENDED_STATES = ('COMPLETED', 'FAILED', 'CANCELLED', 'TIMEOUT', 'NODE_FAIL', 'PRE
                 'BOOT_FAIL', 'DEADLINE')
 STOPPED = 'ddp_train_dual.py: stopped on SIGTERM; resumable checkpoint written to {last}'
 REQUEUEING = 'job {job}: training stopped on a signal (exit 1); requeueing it to continue'
+REQUEUED_ANYHOW = 'requeueing it to continue its run'  # also where the launcher ended by the signal (exit 143)
 RESUMING = re.compile(r'resuming epoch (\d+) at step (\d+) of \d+ from (\S+)')
 
 
@@ -345,15 +346,18 @@ def submit_training(cluster: Cluster, script: str, tree: Path, workdir: Path, da
     return SlurmJob(cluster, job_id, workdir / f'yolov9-ddp-{job_id}.out', project, workdir)
 
 
-def completed_after_stops_problems(job: SlurmJob, fields: dict, epochs: int, stops: int, late_stops=0) -> list:
+def completed_after_stops_problems(job: SlurmJob, fields: dict, epochs: int, stops: int, late_stops=0,
+                                   launch_stops=0) -> list:
     """Why a job stopped by a signal `stops` times (0: never) did not end as one completed run: COMPLETED after as
     many requeues, every start appended to the one log, each stop writing a resumable last.pt that the next start
     resumed in the same folder, every epoch in results.csv, a loadable last.pt, no process left behind.
 
     late_stops: a signal that came after the last training step still requeues the job once (torchrun exits 1
-    whenever it forwards a signal); that start finds the run finished and ends at once."""
+    whenever it forwards a signal); that start finds the run finished and ends at once.
+    launch_stops: a signal that came while the launcher started, before the first start trained, requeues the job
+    too (the launcher, not the training, ends by it); that start leaves no run behind, and the next one begins it."""
     output, last = job.output(), job.run_dir / 'weights' / 'last.pt'
-    requeues = stops + late_stops
+    requeues = stops + late_stops + launch_stops
     problems = []
     if (fields.get('JobState'), fields.get('ExitCode'), fields.get('Restarts')) != ('COMPLETED', '0:0', str(requeues)):
         problems.append(f'job state {fields.get("JobState")}, exit code {fields.get("ExitCode")}, '
@@ -361,8 +365,9 @@ def completed_after_stops_problems(job: SlurmJob, fields: dict, epochs: int, sto
     starts = re.findall(rf'^job {job.id} start (\d+) ', output, re.MULTILINE)
     if starts != [str(n) for n in range(1, requeues + 2)]:
         problems.append(f'the log shows starts {starts}, not 1..{requeues + 1} appended in order')
-    expected = {STOPPED.format(last=last): stops, REQUEUEING.format(job=job.id): requeues,
-                f'--auto-resume: continuing {job.run_dir}': requeues, 'Starting training': stops + 1,
+    expected = {STOPPED.format(last=last): stops, REQUEUEING.format(job=job.id): stops + late_stops,
+                REQUEUED_ANYHOW: requeues, f'--auto-resume: continuing {job.run_dir}': stops + late_stops,
+                'Starting training': stops + 1,
                 f'training in {job.run_dir} already finished': late_stops}
     problems += [f'"{line}" appears {output.count(line)} times, not {count}'
                  for line, count in expected.items() if output.count(line) != count]
