@@ -8,15 +8,19 @@ one long epoch (issue 23's checkpoint_minutes_1_vs_none_1gpu with W = 60).
 ARGS are ddp_train_dual.py's; the run trains with --checkpoint-minutes 2W/60 added, on a training set longer than
 the run (an epoch's end saves last.pt and restarts the checkpoints' clock, so the run fails in one line if its epoch
 ends first). Around each periodic checkpoint, taken at c, the window [c - W/2, c + W/2) holds that one only, and the
-next, [c + W/2, c + 3W/2), holds none: pair k is (the window without, the window with) of the k-th checkpoint. A
-window's img/s is its batches over the time from the first to the last of its stamps, taken every progress_every
-steps after waiting for the GPU (the kit's loop waits for it there anyway, to print its losses). The run stops
-after the P-th pair, about (2P + 1.5) W seconds after the Trainer starts. Each pair also says where its checkpoint's
+W seconds on either side of it, [c - W, c - W/2) and [c + W/2, c + W), hold none: pair k is (the window without,
+the window with) of the k-th checkpoint. The window without lies half before the checkpoint and half after it, so
+that a pace drifting through the run (it rose through the twelfth session's H200 run, whose window without came
+after each checkpoint: bench/RESULTS.md) cancels out of the pair instead of counting as the checkpoint's cost. A
+window's img/s is its batches over the time from the first to the last of its stamps (the window without: both
+halves' batches over both halves' times), taken every progress_every steps after waiting for the GPU (the kit's loop
+waits for it there anyway, to print its losses). The run stops after the P-th pair, about (2P + 1) W seconds after
+the Trainer starts. Each pair also says where its checkpoint's
 cost fell: its seconds on the training thread and in the writer's (each also as the thread's CPU seconds, and the
 writer's until the host copy was complete, where the thread completes it), until its file was in place, the img/s
 between stamps from 5 s before it to 20 s after, the training seconds it lost (lost_s: the intervals ending in the
-LOST_WITHIN_S after it, against the same batches at the pace of the window without), and the seconds of garbage
-collection in each window. A checkpoint of the pairs that was not written (skipped, failed) ends the call in one
+LOST_WITHIN_S after it, against the same batches at the pace of the window without's half after it), and the
+seconds of garbage collection in each window. A checkpoint of the pairs that was not written (skipped, failed) ends the call in one
 line: its pair would measure nothing.
 
 --writers thread,process: the periodic checkpoints are written in turn by the writer's thread and by a writer
@@ -82,18 +86,20 @@ class Windows:
             torch.cuda.synchronize()
         self.stamps.append((self.clock(), i + 1))
         if len(self.checkpoints) >= self.pairs and self.stamps[-1][0] >= self.checkpoints[self.pairs - 1] + \
-                1.5 * self.window_s:
+                self.window_s:
             raise Enough
 
-    def rate(self, start: float, end: float, batch: int) -> dict:
-        """img/s from the first to the last stamp in [start, end)."""
-        inside = [(t, n) for t, n in self.stamps if start <= t < end]
-        if len(inside) < 2:
-            raise TooShort(f'a window of {self.window_s:g} s held {len(inside)} stamp(s), one every {self.every} '
-                           'steps: give longer windows (or --levers progress_every=N, fewer steps a stamp)')
-        (t0, n0), (t1, n1) = inside[0], inside[-1]
-        return {'img_per_s': round((n1 - n0) * batch / (t1 - t0), 2), 'seconds': round(t1 - t0, 2),
-                'batches': n1 - n0}
+    def rate(self, batch: int, *spans: tuple) -> dict:
+        """img/s over spans [(start, end), ...]: in each, from the first to the last stamp in [start, end)."""
+        seconds = batches = 0
+        for start, end in spans:
+            inside = [(t, n) for t, n in self.stamps if start <= t < end]
+            if len(inside) < 2:
+                raise TooShort(f'{end - start:g} s of a window held {len(inside)} stamp(s), one every {self.every} '
+                               'steps: give longer windows (or --levers progress_every=N, fewer steps a stamp)')
+            (t0, n0), (t1, n1) = inside[0], inside[-1]
+            seconds, batches = seconds + t1 - t0, batches + n1 - n0
+        return {'img_per_s': round(batches * batch / seconds, 2), 'seconds': round(seconds, 2), 'batches': batches}
 
     def timeline(self, c: float, batch: int, before=5.0, after=20.0) -> list:
         """[seconds from c, img/s] of each interval between stamps that ends in [c - before, c + after): where the
@@ -104,15 +110,17 @@ class Windows:
 
     def lost_s(self, c: float) -> float:
         """Training seconds the checkpoint taken at c cost: the intervals between stamps that end in
-        [c, c + LOST_WITHIN_S), against the same batches at the median pace of the window after, which holds none."""
+        [c, c + LOST_WITHIN_S), against the same batches at the median pace of the seconds after its window, which
+        hold none."""
         half, intervals = self.window_s / 2, list(zip(self.stamps, self.stamps[1:]))
         pace = statistics.median((t1 - t0) / (n1 - n0) for (t0, n0), (t1, n1) in intervals
-                                 if c + half <= t0 and t1 < c + 3 * half)
+                                 if c + half <= t0 and t1 < c + 2 * half)
         return round(sum(t1 - t0 - pace * (n1 - n0) for (t0, n0), (t1, n1) in intervals
                          if c <= t1 < c + LOST_WITHIN_S), 3)
 
-    def collected_s(self, start: float, end: float) -> float:
-        return round(sum(seconds for t, seconds in self.collections if start <= t < end), 3)
+    def collected_s(self, *spans: tuple) -> float:
+        """Seconds of garbage collection that began in spans [(start, end), ...]."""
+        return round(sum(seconds for t, seconds in self.collections for start, end in spans if start <= t < end), 3)
 
     def pairs_of(self, batch: int) -> list:
         half, taken = self.window_s / 2, self.checkpoints[:self.pairs]
@@ -121,11 +129,12 @@ class Windows:
             raise NotWritten(f'checkpoint {", ".join(map(str, unwritten))} of the windows was not written (the run\'s '
                              'log says why): its pair would time a checkpoint that did not happen')
         started = self.stamps[0][0]
-        return [{'checkpoint_at_s': round(c - started, 1), 'without': self.rate(c + half, c + 3 * half, batch),
-                 'with': self.rate(c - half, c + half, batch),
+        return [{'checkpoint_at_s': round(c - started, 1),
+                 'without': self.rate(batch, (c - 2 * half, c - half), (c + half, c + 2 * half)),
+                 'with': self.rate(batch, (c - half, c + half)),
                  'checkpoint': {**part, 'lost_s': self.lost_s(c), 'timeline': self.timeline(c, batch),
-                                'gc_s_with': self.collected_s(c - half, c + half),
-                                'gc_s_without': self.collected_s(c + half, c + 3 * half)}}
+                                'gc_s_with': self.collected_s((c - half, c + half)),
+                                'gc_s_without': self.collected_s((c - 2 * half, c - half), (c + half, c + 2 * half))}}
                 for c, part in zip(taken, self.parts)]
 
 

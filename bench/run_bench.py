@@ -28,8 +28,9 @@ CALL (bench/PLAN.md has the device calls; bench/results.py the targets):
                                                                twin); with M <= 1 it bounds
                                                                checkpoint_minutes_1_vs_none_1gpu (bench/results.py)
   ckpt-windows one run of the kit on 1 GPU, one long epoch (the main dataset W-fold, as links) with a periodic
-               checkpoint every 2W s: the W s around each | the W s after it, which have none (bench/ckpt_windows.py,
-               --window-s W, default 60)                    -> checkpoint_minutes_W/60_vs_none_1gpu: with W = 60,
+               checkpoint every 2W s: the W s around each | the W/2 s before and after that, which have none
+               (bench/ckpt_windows.py, --window-s W, default 60)
+                                                            -> checkpoint_minutes_W/60_vs_none_1gpu: with W = 60,
                                                                checkpoint_minutes_1_vs_none_1gpu itself
                --writers thread,process: the checkpoints written by the writer's thread and a writer process in
                turn, each pair saying which and what it lost (no target: which writer costs training less)
@@ -92,7 +93,7 @@ SIZES = {
                 parity_epochs=4, steps=(15, 40), run_timeout_s=300,
                 entry=dict(train=1024, val=256, imgsz=320, epochs=3, batch_per_gpu=16),
                 quick_entry=dict(train=64, val=32, imgsz=160, epochs=1, batch_per_gpu=8),
-                ckpt_copies=40),  # 40 x 4096 images: 546 s at 300 img/s, past the 7.5 W = 450 s that W = 60 takes
+                ckpt_copies=48),  # 48 x 4096 images: 504 s at 390 img/s, past the (2P + 1) W = 420 s of W = 60, P = 3
     'dry-run': dict(cfg=TINY_CFG, imgsz=64, batch_per_gpu=4, workers=1, deadline_s=1500,
                     **{name: photo_data.PhotoSpec(train=32, val=16, scale=0.2)
                        for name in ('main', 'short', 'memory', 'lever', 'parity')},
@@ -387,7 +388,7 @@ class Bench:
 
     def ckpt_windows(self):
         """Issue 23: one run of the kit on one GPU (bench/ckpt_windows.py) pairs the W seconds around each periodic
-        checkpoint with the W after it, which hold none. Its warm-up is shortened to 100 steps (upstream's 3 epochs
+        checkpoint with the W/2 before and the W/2 after them, which hold none. Its warm-up is shortened to 100 steps (upstream's 3 epochs
         would be the whole run here, its accumulation and learning rate changing under the windows)."""
         window, copies = self.args.window_s, self.size['ckpt_copies']
         chosen, suffix = kit_levers(self.args.kit_levers)
@@ -398,7 +399,7 @@ class Bench:
         hyp.write_text(re.sub(r'^warmup_epochs: .*$', 'warmup_epochs: 0  # 100 steps, the least',
                               (self.kit / 'data/hyps/hyp.scratch-high.yaml').read_text(), flags=re.M))
         key = results.checkpoint_key(window / 60, 1) + suffix
-        series = {'call': self.args.call, 'a': f'{window:g} s without a checkpoint',
+        series = {'call': self.args.call, 'a': f'{window:g} s without a checkpoint, half before it and half after',
                   'b': f'{window:g} s around one periodic checkpoint', 'ratio_is': results.checkpoint_what(
                       window / 60, '1 GPU, windows of one run (bench/ckpt_windows.py)'), 'pairs': []}
         name = 'ckpt-windows-1gpu'
@@ -408,7 +409,7 @@ class Bench:
             {'a': p['without'], 'b': {**p['with'], 'checkpoints': {  # one in each window of W s
                 'per_minute_in_timed_epoch': round(60 / window, 2)}, 'checkpoint': p['checkpoint']},
              'ratio': round(p['with']['img_per_s'] / p['without']['img_per_s'], 4)} for p in pairs],
-            timeout=(2 * self.args.pairs + 3) * window + 120)
+            timeout=(2 * self.args.pairs + 2) * window + 120)
 
     def scaling(self):
         data, n, images = self.dataset('short'), self.n, self.size['short'].train

@@ -106,9 +106,11 @@ def test_the_step_profile_ranks_the_operators_by_their_own_time():
     assert profiled['measure'] == 'CPU' and 0 < profiled['busy_ms_per_step'] <= profiled['wall_ms_per_step']
 
 
-def test_checkpoint_windows_pair_the_seconds_around_each_checkpoint_with_the_seconds_after_it():
+def test_checkpoint_windows_pair_the_seconds_around_each_checkpoint_with_the_seconds_on_either_side():
     """bench/ckpt_windows.py's arithmetic on a made-up run: a batch a second, a stamp every 2, each checkpoint (at
-    batches 20 and 40) stalling the run 2 s; windows of 10 s."""
+    batches 20 and 40) stalling the run 2 s; windows of 10 s, the window without a checkpoint 5 s before and 5 s
+    after it. Then a run whose pace rises steadily and that has no stall: its pairs are even, where a window without
+    taken after the checkpoint only would have come out faster."""
     from bench.ckpt_windows import Enough, NotWritten, TooShort, Windows
     now = [0]
     windows = Windows(window_s=10, pairs=2, every=2, cuda=False, clock=lambda: now[0])
@@ -118,13 +120,14 @@ def test_checkpoint_windows_pair_the_seconds_around_each_checkpoint_with_the_sec
             if i in (20, 40):
                 windows.checkpoints.append(now[0])  # as the Trainer's save_periodic, before the step's stamp
             windows.stamp(0, i)
-    assert i == 54 and now[0] >= 42 + 15, 'the run stops once the second pair\'s window without has passed'
+    assert i == 48 and now[0] >= 42 + 10, 'the run stops once the second pair\'s window without has passed'
     windows.parts = [{'write_s': 1.5}, {'write_s': 2.5}]
     with pytest.raises(NotWritten, match='checkpoint 1, 2 of the windows was not written'):
         windows.pairs_of(batch=4)
     windows.parts = [{'write_s': 1.5, 'written_s': 1.5}, {'write_s': 2.5, 'written_s': 2.5}]
-    windows.collections = [(19, 0.25), (24, 0.5), (30, 0.125)]  # two in [15, 25), the window with; one after
-    with_one, without = {'img_per_s': 3.0, 'seconds': 8, 'batches': 6}, {'img_per_s': 4.0, 'seconds': 8, 'batches': 8}
+    windows.collections = [(19, 0.25), (24, 0.5), (29, 0.125), (11, 1.0)]  # two in [15, 25), the window with;
+    # one in each half of the window without
+    with_one, without = {'img_per_s': 3.0, 'seconds': 8, 'batches': 6}, {'img_per_s': 4.0, 'seconds': 6, 'batches': 6}
     pairs = windows.pairs_of(batch=4)
     assert [{key: pair[key] for key in ('checkpoint_at_s', 'without', 'with')} for pair in pairs] == [
         {'checkpoint_at_s': 20, 'without': without, 'with': with_one},
@@ -133,12 +136,26 @@ def test_checkpoint_windows_pair_the_seconds_around_each_checkpoint_with_the_sec
     assert first['write_s'] == 1.5 and pairs[1]['checkpoint']['write_s'] == 2.5
     assert first['lost_s'] == pairs[1]['checkpoint']['lost_s'] == 2, 'each stalled the run 2 s'
     assert first['timeline'][:5] == [[-4, 4.0], [-2, 4.0], [0, 4.0], [4, 2.0], [6, 4.0]]  # the stall after it
-    assert first['timeline'][-1][0] < 20 and (first['gc_s_with'], first['gc_s_without']) == (0.75, 0.125)
+    assert first['timeline'][-1][0] < 20 and (first['gc_s_with'], first['gc_s_without']) == (0.75, 1.125)
     with pytest.raises(TooShort):
         windows.stamp(1, 0)
     windows.stamps = windows.stamps[::8]  # a stamp every 16 s: a window of 10 s holds one at most
-    with pytest.raises(TooShort, match='a window of 10 s held 1 stamp'):
+    with pytest.raises(TooShort, match=r'5 s of a window held 0 stamp\(s\)'):
         windows.pairs_of(batch=4)
+
+    rising = Windows(window_s=20, pairs=1, every=1, cuda=False, clock=lambda: now[0])
+    now[0], pace = 0.0, 1.0
+    with pytest.raises(Enough):
+        for i in range(1000):  # each batch 0.2% faster than the one before
+            now[0], pace = now[0] + pace, pace / 1.002
+            if i == 40:
+                rising.checkpoints.append(now[0])
+            rising.stamp(0, i)
+    rising.parts = [{'written_s': 0.1}]
+    [pair] = rising.pairs_of(batch=100)  # img/s of hundreds: their rounding to 0.01 stays out of the ratio
+    assert pair['with']['img_per_s'] / pair['without']['img_per_s'] == pytest.approx(1, abs=0.002)
+    after_only = rising.rate(100, (rising.checkpoints[0] + 10, rising.checkpoints[0] + 20))  # as far as it ran
+    assert pair['with']['img_per_s'] / after_only['img_per_s'] < 0.97, 'the drift this pairing cancels'
 
 
 def test_checkpoint_windows_time_each_checkpoint_until_its_file_is_in_place_whoever_writes_it(tmp_path):
