@@ -353,14 +353,14 @@ def test_a_recorded_lever_this_kit_no_longer_has_is_ignored_with_a_warning():
 
 @pytest.mark.usefixtures('upstream_importable')
 def test_a_run_that_recorded_the_retired_levers_off_resumes_without_a_word(tmp_path, monkeypatch):
-    """graphed_loss and one_cpu_thread were removed (levers.RETIRED) after the runs of kits 0.3 to 0.5 had recorded
-    them, off (their default) except in the runs that measured them: off they changed nothing, so a resume drops them
-    silently; one recorded on is warned about, as any lever this kit does not have. Given on a command line they are
-    unknown."""
+    """act_out_of_place, graphed_loss and one_cpu_thread were removed (levers.RETIRED) after the runs of earlier kits
+    had recorded them, off (their default) except in the runs that measured them: off they changed nothing, so a
+    resume drops them silently; one recorded on is warned about, as any lever this kit does not have. Given on a
+    command line they are unknown."""
     from yolov9_ddp import runs, trainer
     task = TASKS['detect-dual']
     recorded = {**vars(cli.parse_args(['--device', 'cpu'], tmp_path, task)),
-                'levers': f'{describe(Levers())},graphed_loss=0,one_cpu_thread=0'}  # as a run of kit 0.5.0 has them
+                'levers': f'{describe(Levers())},act_out_of_place=0,graphed_loss=0,one_cpu_thread=0'}  # as runs did
     plan = runs.RunPlan(tmp_path / 'exp', resume_from=tmp_path / 'exp' / 'weights' / 'last.pt', options=recorded)
     argv = ['--resume', str(plan.resume_from)]
     opt, said = cli.parse_args(argv, tmp_path, task), []

@@ -82,7 +82,7 @@ REMOVED = {'compile': 'torch.compile does not pay for YOLOv9 training: yolov9-s 
 # Levers removed after runs recorded them: a run records its complete set (describe), so the runs of earlier kits hold
 # these, mostly off (=0, their default then). A resume drops an off one without a word, as it changed nothing there;
 # one that was on is warned about, as any lever this kit does not have.
-RETIRED = ('graphed_loss', 'one_cpu_thread')
+RETIRED = ('act_out_of_place', 'graphed_loss', 'one_cpu_thread')
 
 
 def parse_levers(text: str, known_only=True, warn=print) -> dict:
