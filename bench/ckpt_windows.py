@@ -8,20 +8,20 @@ one long epoch (issue 23's checkpoint_minutes_1_vs_none_1gpu with W = 60).
 ARGS are ddp_train_dual.py's; the run trains with --checkpoint-minutes 2W/60 added, on a training set longer than
 the run (an epoch's end saves last.pt and restarts the checkpoints' clock, so the run fails in one line if its epoch
 ends first). Around each periodic checkpoint, taken at c, the window [c - W/2, c + W/2) holds that one only, and the
-W seconds on either side of it, [c - W, c - W/2) and [c + W/2, c + W), hold none: pair k is (the window without,
+W/2 seconds on either side of it, [c - W, c - W/2) and [c + W/2, c + W), hold none: pair k is (the window without,
 the window with) of the k-th checkpoint. The window without lies half before the checkpoint and half after it, so
-that a pace drifting through the run (it rose through the twelfth session's H200 run, whose window without came
-after each checkpoint: bench/RESULTS.md) cancels out of the pair instead of counting as the checkpoint's cost. A
-window's img/s is its batches over the time from the first to the last of its stamps (the window without: both
-halves' batches over both halves' times), taken every progress_every steps after waiting for the GPU (the kit's loop
-waits for it there anyway, to print its losses). The run stops after the P-th pair, about (2P + 1) W seconds after
-the Trainer starts. Each pair also says where its checkpoint's
-cost fell: its seconds on the training thread and in the writer's (each also as the thread's CPU seconds, and the
-writer's until the host copy was complete, where the thread completes it), until its file was in place, the img/s
-between stamps from 5 s before it to 20 s after, the training seconds it lost (lost_s: the intervals ending in the
-LOST_WITHIN_S after it, against the same batches at the pace of the window without's half after it), and the
-seconds of garbage collection in each window. A checkpoint of the pairs that was not written (skipped, failed) ends the call in one
-line: its pair would measure nothing.
+that a pace that drifts through the run cancels out of the pair instead of counting as the checkpoint's cost (in the
+twelfth session's H200 run the window without, then the W seconds after the window with, was the faster in every
+pair: bench/RESULTS.md). A window's img/s is its batches over the time from the first to the last of its stamps (the
+window without: both halves' batches over both halves' times), taken every progress_every steps after waiting for
+the GPU (the kit's loop waits for it there anyway, to print its losses). The run stops after the P-th pair, about
+(2P + 1) W seconds after the Trainer starts. Each pair also says where its checkpoint's cost fell: its seconds on the
+training thread and in the writer's (each also as the thread's CPU seconds, and the writer's until the host copy was
+complete, where the thread completes it), until its file was in place, the img/s between stamps from 5 s before it
+to 20 s after, the training seconds it lost (lost_s: the intervals ending in the LOST_WITHIN_S after it, against the
+same batches at the pace of the window without's half after it), and the seconds of garbage collection in each
+window. A checkpoint of the pairs that was not written (skipped, failed) ends the call in one line: its pair
+would measure nothing.
 
 --writers thread,process: the periodic checkpoints are written in turn by the writer's thread and by a writer
 process (the lever checkpoint_process), each pair saying which (`writer`), so that the two ways' lost seconds are

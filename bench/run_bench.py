@@ -388,8 +388,9 @@ class Bench:
 
     def ckpt_windows(self):
         """Issue 23: one run of the kit on one GPU (bench/ckpt_windows.py) pairs the W seconds around each periodic
-        checkpoint with the W/2 before and the W/2 after them, which hold none. Its warm-up is shortened to 100 steps (upstream's 3 epochs
-        would be the whole run here, its accumulation and learning rate changing under the windows)."""
+        checkpoint with the W/2 before and the W/2 after them, which hold none. Its warm-up is shortened to 100 steps
+        (upstream's 3 epochs would be the whole run here, its accumulation and learning rate changing under the
+        windows)."""
         window, copies = self.args.window_s, self.size['ckpt_copies']
         chosen, suffix = kit_levers(self.args.kit_levers)
         writers = ['--writers', self.args.writers] if self.args.writers else []
