@@ -46,12 +46,21 @@ def lock_path(target: Path) -> Path:
 
 @contextlib.contextmanager
 def tree_lock(target: Path):
+    path = lock_path(target)
+    lock = filelock.FileLock(str(path), timeout=0)
     try:
-        with filelock.FileLock(str(lock_path(target)), timeout=0):
-            yield
-    except filelock.Timeout as e:
+        lock.acquire()
+    except filelock.Timeout as e:  # a subclass of OSError: first
         raise TreeError(f'another apply_patches.py is working on {target}',
                         'wait for it to finish, then run this command again') from e
+    except OSError as e:  # filelock refuses a lock file of another account in a shared temporary folder
+        raise TreeError(f'cannot take the lock {path} ({e.strerror or e})',
+                        'if another account applied the kit to this tree, run this command as that account; the file '
+                        'holds no data: remove it when no apply_patches.py runs') from e
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def read_state(target: Path) -> dict:

@@ -5,6 +5,7 @@ Every test works on its own copy of the pinned upstream and runs apply_patches.p
 the way a user runs it. "Unchanged" means snapshot() equal: the same listing and the same bytes.
 """
 import json
+import os
 import re
 import signal
 import subprocess
@@ -416,6 +417,21 @@ def test_refuses_while_another_applier_holds_the_tree(pristine_tree, monkeypatch
     with FileLock(str(lock_path(pristine_tree.resolve()))):  # the lock an apply_patches.py run holds
         result = run_applier(pristine_tree)
     assert_refused(result, before, pristine_tree, 'another apply_patches.py is working')
+
+
+def test_refuses_in_one_line_when_another_account_left_the_lock(pristine_tree, tmp_path, monkeypatch):
+    # Two accounts applying to one shared tree share a lock file in the temporary folder; filelock will not take
+    # one that another account owns in a sticky folder such as /tmp. (The test runs as root, as CI does.)
+    shared_tmp = tmp_path / 'shared-tmp'
+    shared_tmp.mkdir(mode=0o1777)
+    shared_tmp.chmod(0o1777)
+    monkeypatch.setattr(tempfile, 'tempdir', str(shared_tmp))
+    lock = lock_path(pristine_tree.resolve())
+    lock.touch()
+    os.chown(lock, 65534, 65534)  # nobody's
+    before = snapshot(pristine_tree)
+    result = run_applier(pristine_tree, env=clean_env(TMPDIR=str(shared_tmp)))
+    assert_refused(result, before, pristine_tree, f'cannot take the lock {lock}', 'uid 65534', hint='as that account')
 
 
 # -- file modes ----------------------------------------------------------------------------------
