@@ -55,8 +55,8 @@ def tree_lock(target: Path):
                         'wait for it to finish, then run this command again') from e
     except OSError as e:  # filelock refuses a lock file of another account in a shared temporary folder
         raise TreeError(f'cannot take the lock {path} ({e.strerror or e})',
-                        'if another account applied the kit to this tree, run this command as that account; the file '
-                        'holds no data: remove it when no apply_patches.py runs') from e
+                        'if another account applied the kit to this tree, run this command as that account, or let '
+                        'it (or root) remove the file, which holds no data, while no apply_patches.py runs') from e
     try:
         yield
     finally:
