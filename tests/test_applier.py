@@ -423,8 +423,8 @@ def test_refuses_in_one_line_when_another_account_left_the_lock(pristine_tree, t
     # Two accounts applying to one shared tree share a lock file in the temporary folder; filelock will not take
     # one that another account owns in a sticky folder such as /tmp. (The test runs as root, as CI does.)
     shared_tmp = tmp_path / 'shared-tmp'
-    shared_tmp.mkdir(mode=0o1777)
-    shared_tmp.chmod(0o1777)
+    shared_tmp.mkdir()
+    shared_tmp.chmod(0o1777)  # sticky and writable by all, as /tmp (mkdir's mode would pass through the umask)
     monkeypatch.setattr(tempfile, 'tempdir', str(shared_tmp))
     lock = lock_path(pristine_tree.resolve())
     lock.touch()
