@@ -7,6 +7,8 @@ alternating pairs (A, B, A, B, ...), every pair recorded, the target the median 
 
 CALL (bench/PLAN.md has the device calls; bench/results.py the targets):
   per-gpu      upstream train_dual.py on N GPUs | the kit on N GPUs                -> per_gpu_vs_upstream_Ngpu
+               (--task detect or detect-triple: train.py | ddp_train.py, or train_triple.py | ddp_train_triple.py,
+               with ENTRY_POINT_CFGS' model; its series keyed '... (TASK)', no target; per-gpu-det too)
   scaling      the kit on 1 GPU | the kit on N GPUs                                -> scaling_Ngpu
   step         the kit on N GPUs | its GPU-only step | upstream's GPU-only step    -> in_loop_vs_gpu_only,
                                                                                       gpu_only_vs_upstream_settings
@@ -186,7 +188,8 @@ class Bench:
 
     # -- one training run, timed from outside -----------------------------------------------------------------------
 
-    def train_cmd(self, tree, gpus, data, name, epochs=3, extra=(), cfg=None, imgsz=None, batch=None, seed=0):
+    def train_cmd(self, tree, gpus, data, name, epochs=3, extra=(), cfg=None, imgsz=None, batch=None, seed=0,
+                  task=TASKS['detect-dual']):
         upstream = tree == self.upstream
         size = self.size
         batch = batch or size['batch_per_gpu'] * gpus
@@ -196,7 +199,16 @@ class Bench:
                 '--epochs', epochs, '--batch-size', batch, '--imgsz', imgsz or size['imgsz'], '--workers', workers,
                 '--device', device, '--seed', seed, '--project', self.work / 'runs', '--name', name, '--exist-ok',
                 '--noplots', *extra]
-        return [str(x) for x in [*launcher(gpus), 'train_dual.py' if upstream else 'ddp_train_dual.py', *args]]
+        return [str(x) for x in [*launcher(gpus), task.upstream if upstream else task.script, *args]]
+
+    def model_of(self, task) -> str:
+        """The model a task's runs train: an upstream model of its kind on GPUs, the kit's tiny one in a dry run."""
+        return ENTRY_POINT_CFGS[task.name] if self.cuda else str(KIT / 'yolov9_ddp' / 'models' / task.demo_cfg)
+
+    def task(self):
+        """(task, key suffix) of --task: train_dual.py's series are the targets' own, another script's say which."""
+        task = TASKS[self.args.task]
+        return task, '' if task.name == DEFAULT_TASK else f' ({task.name})'
 
     def launch(self, name, cmd, tree):
         """(process, log path): cmd started in tree, in a session of its own, its output going to logs/NAME.log."""
@@ -301,43 +313,45 @@ class Bench:
 
     # -- the calls --------------------------------------------------------------------------------------------------
 
-    def end_to_end(self, tree, tag: str, dataset: str, extra=()):
+    def end_to_end(self, tree, tag: str, dataset: str, extra=(), task=TASKS['detect-dual']):
         """run(i): the i-th end-to-end training of tree on the dataset, N GPUs, --noval, global batch
-        batch_per_gpu x N. Upstream's train_dual.py refuses DDP without CUDA ('insufficient CUDA devices'): a dry
-        run on several processes runs it on one process, with the same global batch."""
+        batch_per_gpu x N, the task's script and model. Upstream's scripts refuse DDP without CUDA ('insufficient
+        CUDA devices'): a dry run on several processes runs them on one process, with the same global batch."""
         data, n, images = self.dataset(dataset), self.n, self.size[dataset].train
         gpus = 1 if tree == self.upstream and not self.cuda else n
 
         def run(i):
             name = f'{tag}-{n}gpu-{i}'
             return self.train(name, self.train_cmd(tree, gpus, data, name, extra=['--noval', *extra],
-                                                   batch=self.size['batch_per_gpu'] * n), tree, images)
+                                                   cfg=self.model_of(task), batch=self.size['batch_per_gpu'] * n,
+                                                   task=task), tree, images)
         return run
 
     def per_gpu(self):
-        chosen, suffix = kit_levers(self.args.kit_levers)
-        key = f'per_gpu_vs_upstream_{self.n}gpu{suffix}'
-        self.rounds({'upstream': self.end_to_end(self.upstream, 'upstream', 'main'),
-                     'kit': self.end_to_end(self.kit, 'kit', 'main', chosen)},
+        (chosen, suffix), (task, task_suffix) = kit_levers(self.args.kit_levers), self.task()
+        key = f'per_gpu_vs_upstream_{self.n}gpu{task_suffix}{suffix}'
+        self.rounds({'upstream': self.end_to_end(self.upstream, 'upstream', 'main', task=task),
+                     'kit': self.end_to_end(self.kit, 'kit', 'main', chosen, task=task)},
                     {key: ('upstream', 'kit', lambda a, b: ratio(b, a, 'img_per_s'),
-                           results.TARGETS['per_gpu_vs_upstream_{n}gpu'])})
+                           of_script(results.TARGETS['per_gpu_vs_upstream_{n}gpu'], task))})
         if not self.cuda:
-            self.record['pairs'][key]['note'] = "dry run: train_dual.py refuses DDP without CUDA, so upstream's " \
+            self.record['pairs'][key]['note'] = f"dry run: {task.upstream} refuses DDP without CUDA, so upstream's " \
                                                 'runs were one process (same global batch)'
 
     def per_gpu_det(self):
         """Issue 23: the kit end to end, and with --deterministic, against upstream, alternated in one call; the
         lever call's dataset (2048 images), so that three rounds of three runs fit one call on one GPU."""
-        n, (chosen, suffix) = self.n, kit_levers(self.args.kit_levers)
-        deterministic = ['--deterministic', *chosen]
-        self.rounds({'upstream': self.end_to_end(self.upstream, 'upstream-d', 'lever'),
-                     'kit': self.end_to_end(self.kit, 'kit-d', 'lever', chosen),
-                     'kit --deterministic': self.end_to_end(self.kit, 'kit-det', 'lever', deterministic)}, {
+        n, (chosen, suffix), (task, task_suffix) = self.n, kit_levers(self.args.kit_levers), self.task()
+        deterministic, suffix = ['--deterministic', *chosen], task_suffix + suffix
+        self.rounds({'upstream': self.end_to_end(self.upstream, 'upstream-d', 'lever', task=task),
+                     'kit': self.end_to_end(self.kit, 'kit-d', 'lever', chosen, task=task),
+                     'kit --deterministic': self.end_to_end(self.kit, 'kit-det', 'lever', deterministic, task=task)}, {
             f'per_gpu_vs_upstream_{n}gpu{suffix}': ('upstream', 'kit', lambda a, b: ratio(b, a, 'img_per_s'),
-                                                    results.TARGETS['per_gpu_vs_upstream_{n}gpu']),
+                                                    of_script(results.TARGETS['per_gpu_vs_upstream_{n}gpu'], task)),
             f'deterministic_vs_upstream_{n}gpu{suffix}': ('upstream', 'kit --deterministic',
                                                           lambda a, b: ratio(b, a, 'img_per_s'),
-                                                          results.ONE_GPU_TARGETS['deterministic_vs_upstream_1gpu'])})
+                                                          of_script(results.ONE_GPU_TARGETS[
+                                                              'deterministic_vs_upstream_1gpu'], task))})
 
     def loop_lever(self):
         """Issue 23: the kit's in-loop rate against its GPU-only step, and one lever in the GPU-only step (and with
@@ -541,11 +555,9 @@ class Bench:
             spec = DemoSpec(train=size['train'], val=size['val'], imgsz=size['imgsz'],
                             labels='polygons' if task.masks else 'boxes')
             data = ensure_demo_dataset(self.work / f'entry-data-{spec.labels}', spec)
-            cfg = ENTRY_POINT_CFGS[name] if self.cuda else str(KIT / 'yolov9_ddp' / 'models' / task.demo_cfg)
             chosen, _ = kit_levers(levers_of_task(self.args.kit_levers, task))
-            cmd = self.train_cmd(self.kit, n, data, f'entry-{name}', epochs=size['epochs'], cfg=cfg,
-                                 imgsz=size['imgsz'], batch=size['batch_per_gpu'] * n, extra=chosen)
-            cmd[len(launcher(n))] = task.script
+            cmd = self.train_cmd(self.kit, n, data, f'entry-{name}', epochs=size['epochs'], cfg=self.model_of(task),
+                                 imgsz=size['imgsz'], batch=size['batch_per_gpu'] * n, extra=chosen, task=task)
             record[name + suffix] = self.whole_run(f'entry-{name}', cmd, self.kit)
             self.save()
 
@@ -589,11 +601,13 @@ CALLS = {'per-gpu': Bench.per_gpu, 'scaling': Bench.scaling, 'step': Bench.step,
          'ckpt-minutes': Bench.ckpt_minutes, 'ckpt-windows': Bench.ckpt_windows}
 # the options only some calls read, and which: any other call given one refuses it, rather than measure without it
 READ_BY = {'kit_levers': ('per-gpu', 'per-gpu-det', 'parity', 'entry-points', 'ckpt-windows'),
+           'task': ('per-gpu', 'per-gpu-det'),
            'lever': ('lever', 'loop-lever'),
            'end_to_end': ('loop-lever',), 'checkpoint_minutes': ('ckpt-minutes',), 'quick': ('entry-points',),
            'window_s': ('ckpt-windows',), 'writers': ('ckpt-windows',), 'deterministic': ('lever',)}
 # set after that check: None is 'not given'
-OPTION_DEFAULTS = {'lever': 'channels_last=1', 'checkpoint_minutes': 0.1, 'window_s': 60.0}
+DEFAULT_TASK = 'detect-dual'  # train_dual.py | ddp_train_dual.py: the targets' comparison
+OPTION_DEFAULTS = {'lever': 'channels_last=1', 'checkpoint_minutes': 0.1, 'window_s': 60.0, 'task': DEFAULT_TASK}
 PERIODIC = re.compile(r'--checkpoint-(minutes|steps)\b')
 SKIPPED = re.compile(r'checkpoint at epoch \d+ step \d+ skipped')  # CheckpointWriter's line: a due one not written
 
@@ -620,6 +634,11 @@ def repeated(data_yaml: str, copies: int) -> str:
         (folder / 'data.yaml').write_text(re.sub(r'^path: .*$', f'path: {root.resolve()}',
                                                  Path(data_yaml).read_text(), flags=re.M))
     return str(generated_dataset(root, Repeated(str(data_yaml), copies), 'repeated.json', 'a repeated dataset', write))
+
+
+def of_script(what: str, task) -> str:
+    """A target's description of train_dual.py's comparison, said of the task's upstream script."""
+    return what.replace('train_dual.py', task.upstream)
 
 
 def lever_args(lever: str) -> list:
@@ -840,6 +859,9 @@ def main():
     p.add_argument('--kit-levers', default='',
                    help="per-gpu, per-gpu-det, parity, entry-points, ckpt-windows (others refuse it): --levers for the "
                         "kit's runs; the series keys name them")
+    p.add_argument('--task', choices=[name for name, task in TASKS.items() if not task.masks],
+                   help='per-gpu, per-gpu-det: the scripts compared (default detect-dual: train_dual.py | '
+                        "ddp_train_dual.py); the segmentation tasks need polygons, which the bench's photographs lack")
     p.add_argument('--checkpoint-minutes', type=float, metavar='M',
                    help="ckpt-minutes: the kit's period; 0.1 (6 s) writes one or two in a timed epoch of 2048 images "
                         '(about 14 s; a save at the epoch end restarts the clock, so 0.25 would write none there)')

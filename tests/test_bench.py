@@ -65,6 +65,29 @@ def test_a_series_of_the_kit_with_other_levers_than_its_defaults_never_stands_fo
     assert merged['pairs'][f'per_gpu_vs_upstream_1gpu{suffix}']['median'] == 2.1
 
 
+def test_per_gpu_of_another_detection_task_compares_its_upstream_script_with_its_entry_point_under_its_own_key():
+    bench = run_bench.Bench.__new__(run_bench.Bench)  # no trees or datasets: the commands alone
+    bench.size, bench.cuda, bench.work = run_bench.SIZES['gpu'], True, KIT / 'work'
+    bench.upstream, bench.kit = KIT / 'up', KIT / 'kit'
+
+    def commands(task_name):
+        bench.args = SimpleNamespace(task=task_name)
+        task, suffix = bench.task()
+        made = [bench.train_cmd(tree, 1, 'data.yaml', 'run', cfg=bench.model_of(task), task=task)
+                for tree in (bench.upstream, bench.kit)]
+        return suffix, [(cmd[1], cmd[cmd.index('--cfg') + 1]) for cmd in made]
+    assert commands('detect') == (' (detect)', [('train.py', 'models/detect/gelan-s.yaml'),
+                                                ('ddp_train.py', 'models/detect/gelan-s.yaml')])
+    assert commands('detect-triple')[1] == [('train_triple.py', 'models/detect/yolov9-cf.yaml'),
+                                            ('ddp_train_triple.py', 'models/detect/yolov9-cf.yaml')]
+    assert commands('detect-dual') == ('', [('train_dual.py', run_bench.SIZES['gpu']['cfg']),
+                                           ('ddp_train_dual.py', run_bench.SIZES['gpu']['cfg'])]), "the targets' own"
+    what = run_bench.of_script(results.TARGETS['per_gpu_vs_upstream_{n}gpu'], TASKS['detect'])
+    assert 'upstream train.py' in what and 'train_dual' not in what
+    merged = results.merge(call('gpu', **{'per_gpu_vs_upstream_1gpu (detect)': series(2.0, 2.1, 2.2)}), {})
+    assert merged['targets']['per_gpu_vs_upstream_1gpu'] is None, 'train_dual.py stands for the target alone'
+
+
 def test_entry_points_leave_the_detection_losses_levers_out_of_the_segmentation_entry_points():
     asked = 'cuda_graphs=1,host_targets=1,dense_box_loss=0'
     assert run_bench.levers_of_task(asked, TASKS['segment-dual']) == 'cuda_graphs=1', 'cli would refuse them'
@@ -85,6 +108,8 @@ def test_an_option_the_call_does_not_read_is_refused_in_one_line(monkeypatch, ca
     assert 'does not read it' in main('lever', '--kit-levers', 'channels_last=1')[1]
     assert main('per-gpu-det', '--deterministic')[1].endswith('(only lever)')
     assert main('ckpt-minutes', '--writers', 'thread,process')[1].endswith('(only ckpt-windows)')
+    assert main('ckpt-windows', '--task', 'detect')[1].endswith('(only per-gpu, per-gpu-det)')
+    assert "invalid choice: 'segment'" in main('per-gpu', '--task', 'segment')[1], 'its photographs have no polygons'
     assert main('loop-lever', '--lever', '--workers 6')[1].endswith(
         "options stand for a lever in the lever call only; loop-lever takes one of the kit's --levers")
     assert run_bench.lever_args('--workers 6') == ['--workers', '6']
@@ -93,9 +118,10 @@ def test_an_option_the_call_does_not_read_is_refused_in_one_line(monkeypatch, ca
     assert tags == ['channels_last-1', 'cuda_graphs-0,channels_last-0', 'workers-6']
     given = run_bench.argparse.Namespace(call='lever', kit_levers='', lever=None, end_to_end=False,
                                          checkpoint_minutes=None, quick=False, window_s=None, writers=None,
-                                         deterministic=False)
+                                         deterministic=False, task=None)
     run_bench.refuse_unread_options(None, given)
-    assert (given.lever, given.checkpoint_minutes, given.window_s) == ('channels_last=1', 0.1, 60), 'the defaults'
+    assert (given.lever, given.checkpoint_minutes, given.window_s, given.task) == (
+        'channels_last=1', 0.1, 60, 'detect-dual'), 'the defaults'
 
 
 def test_the_step_profile_ranks_the_operators_by_their_own_time():
