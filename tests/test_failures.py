@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -85,6 +86,38 @@ def test_torchrun_names_the_cause_and_not_its_consequence_recorded_in_the_same_s
         rank: ProcessFailure(local_rank=rank, pid=4321 + rank, exitcode=1, error_file=str(recorded[rank]))
         for rank in (0, 1)})
     assert summary.get_first_failure()[1].message == 'out of GPU memory'
+
+
+def test_torchrun_never_finds_the_record_half_written(tmp_path, monkeypatch):
+    """torchrun reads a failed worker's file whenever it finds the worker gone, which may be in the middle of the
+    worker's write (it stops the other ranks of a failed job, and they record why as they exit): every read while
+    records are written again and again finds either no file or a whole one (truncated, then written, about 80% of
+    the reads found it empty or torn)."""
+    error_file = tmp_path / 'error.json'
+    monkeypatch.setenv('TORCHELASTIC_ERROR_FILE', str(error_file))
+    done = threading.Event()
+
+    def record_again_and_again():
+        for i in range(2000):
+            failures.record_for_torchrun(f'ddp_train_dual.py [rank 0]: record {i}', consequence=bool(i % 2))
+        done.set()
+    writer = threading.Thread(target=record_again_and_again)
+    writer.start()
+    reads, torn = 0, []
+    while not done.is_set():
+        try:
+            text = error_file.read_text()
+        except FileNotFoundError:
+            continue
+        reads += 1
+        try:
+            json.loads(text)
+        except ValueError:
+            torn.append(text)
+    writer.join()
+    assert reads > 100, 'the reads overlapped the writes'
+    assert torn == [], f'{len(torn)} of {reads} reads found the record half-written, e.g. {torn[0]!r}'
+    assert [p.name for p in tmp_path.iterdir()] == ['error.json'], 'no temporary file is left beside it'
 
 
 def test_no_record_outside_torchrun(tmp_path, monkeypatch):

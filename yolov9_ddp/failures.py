@@ -161,12 +161,18 @@ def record_for_torchrun(message: str, consequence=False):
     The summary's root cause is the failure of the earliest timestamp, in whole seconds, the lowest rank on a tie. A
     consequence (this rank failed because another did) is dated a second later: the cause is recorded before its
     process exits, which is what the other ranks notice, so it comes first even within the same second (rank 0
-    stopped by rank 1's death was named the root cause whenever both fell in one second)."""
+    stopped by rank 1's death was named the root cause whenever both fell in one second).
+
+    The file appears whole, by a rename. torchrun parses the file of every worker it finds gone, those it has just
+    stopped too, and a file opened (truncated) but not yet written ends the whole job in a JSONDecodeError instead
+    of a restart: in the kit's CI (2026-12-06) a job with --max-restarts 1 ended so at its first fault."""
     path = os.environ.get('TORCHELASTIC_ERROR_FILE')
     if not path:
         return
     timestamp = int(time.time()) + (1 if consequence else 0)
+    tmp = Path(f'{path}.{os.getpid()}.tmp')
     try:
-        Path(path).write_text(json.dumps({'message': message, 'timestamp': str(timestamp)}))
+        tmp.write_text(json.dumps({'message': message, 'timestamp': str(timestamp)}))
+        os.replace(tmp, path)
     except OSError:
-        pass  # the cause is on stderr as well; a failure to record it must not hide it
+        tmp.unlink(missing_ok=True)  # the cause is on stderr as well; a failure to record it must not hide it
