@@ -81,6 +81,7 @@ IN_LOOP = re.compile(r'epoch (\d+): (\d+) images in ([\d.]+) s \(([\d.]+) img/s\
 FINAL_MAP = re.compile(r'Final:.*mAP50-95 ([\d.]+)')
 FINAL_LINE = re.compile(r'Final:\S* (.*?)  \(')  # the metrics of the final validation, any task's
 # an upstream model of each entry point's kind (the kit's tiny ones in a dry run)
+DEFAULT_TASK = 'detect-dual'  # train_dual.py | ddp_train_dual.py: the targets' comparison
 ENTRY_POINT_CFGS = {'detect': 'models/detect/gelan-s.yaml', 'detect-dual': 'models/detect/yolov9-s.yaml',
                     'detect-triple': 'models/detect/yolov9-cf.yaml', 'segment': 'models/segment/gelan-c-seg.yaml',
                     'segment-dual': 'models/segment/yolov9-c-dseg.yaml'}
@@ -189,7 +190,7 @@ class Bench:
     # -- one training run, timed from outside -----------------------------------------------------------------------
 
     def train_cmd(self, tree, gpus, data, name, epochs=3, extra=(), cfg=None, imgsz=None, batch=None, seed=0,
-                  task=TASKS['detect-dual']):
+                  task=TASKS[DEFAULT_TASK]):
         upstream = tree == self.upstream
         size = self.size
         batch = batch or size['batch_per_gpu'] * gpus
@@ -313,7 +314,7 @@ class Bench:
 
     # -- the calls --------------------------------------------------------------------------------------------------
 
-    def end_to_end(self, tree, tag: str, dataset: str, extra=(), task=TASKS['detect-dual']):
+    def end_to_end(self, tree, tag: str, dataset: str, extra=(), task=TASKS[DEFAULT_TASK]):
         """run(i): the i-th end-to-end training of tree on the dataset, N GPUs, --noval, global batch
         batch_per_gpu x N, the task's script and model. Upstream's scripts refuse DDP without CUDA ('insufficient
         CUDA devices'): a dry run on several processes runs them on one process, with the same global batch."""
@@ -606,7 +607,6 @@ READ_BY = {'kit_levers': ('per-gpu', 'per-gpu-det', 'parity', 'entry-points', 'c
            'end_to_end': ('loop-lever',), 'checkpoint_minutes': ('ckpt-minutes',), 'quick': ('entry-points',),
            'window_s': ('ckpt-windows',), 'writers': ('ckpt-windows',), 'deterministic': ('lever',)}
 # set after that check: None is 'not given'
-DEFAULT_TASK = 'detect-dual'  # train_dual.py | ddp_train_dual.py: the targets' comparison
 OPTION_DEFAULTS = {'lever': 'channels_last=1', 'checkpoint_minutes': 0.1, 'window_s': 60.0, 'task': DEFAULT_TASK}
 PERIODIC = re.compile(r'--checkpoint-(minutes|steps)\b')
 SKIPPED = re.compile(r'checkpoint at epoch \d+ step \d+ skipped')  # CheckpointWriter's line: a due one not written
