@@ -98,9 +98,11 @@ def test_torchrun_never_finds_the_record_half_written(tmp_path, monkeypatch):
     done = threading.Event()
 
     def record_again_and_again():
-        for i in range(2000):
-            failures.record_for_torchrun(f'ddp_train_dual.py [rank 0]: record {i}', consequence=bool(i % 2))
-        done.set()
+        try:
+            for i in range(2000):
+                failures.record_for_torchrun(f'ddp_train_dual.py [rank 0]: record {i}', consequence=bool(i % 2))
+        finally:
+            done.set()  # the reads below end even where a write raised
     writer = threading.Thread(target=record_again_and_again)
     writer.start()
     reads, torn = 0, []
