@@ -86,10 +86,11 @@ ENTRY_POINT_CFGS = {'detect': 'models/detect/gelan-s.yaml', 'detect-dual': 'mode
                     'detect-triple': 'models/detect/yolov9-cf.yaml', 'segment': 'models/segment/gelan-c-seg.yaml',
                     'segment-dual': 'models/segment/yolov9-c-dseg.yaml'}
 
-# Sizes of a GPU call and of a dry run (CPUs, a few seconds a run): the model, images per GPU, the datasets (main:
-# 4096 images as in the earlier rounds; short: 3072 where a call's three rounds need the time, scaling and step).
+# Sizes of a GPU call and of a dry run (CPUs, a few seconds a run; the model is the task's, Bench.model_of): images
+# per GPU, the datasets (main: 4096 images as in the earlier rounds; short: 3072 where a call's three rounds need the
+# time, scaling and step).
 SIZES = {
-    'gpu': dict(cfg='models/detect/yolov9-s.yaml', imgsz=640, batch_per_gpu=32, workers=8, deadline_s=530,
+    'gpu': dict(imgsz=640, batch_per_gpu=32, workers=8, deadline_s=530,
                 main=photo_data.PhotoSpec(train=4096, val=1000), short=photo_data.PhotoSpec(train=3072, val=1000),
                 memory=photo_data.PhotoSpec(train=2048, val=1000), lever=photo_data.PhotoSpec(train=2048, val=1000),
                 parity=photo_data.PhotoSpec(train=4096, val=500, scale=0.5), parity_imgsz=256, parity_batch=64,
@@ -97,7 +98,7 @@ SIZES = {
                 entry=dict(train=1024, val=256, imgsz=320, epochs=3, batch_per_gpu=16),
                 quick_entry=dict(train=64, val=32, imgsz=160, epochs=1, batch_per_gpu=8),
                 ckpt_copies=48),  # 48 x 4096 images: 504 s at 390 img/s, past the (2P + 1) W = 420 s of W = 60, P = 3
-    'dry-run': dict(cfg=TINY_CFG, imgsz=64, batch_per_gpu=4, workers=1, deadline_s=1500,
+    'dry-run': dict(imgsz=64, batch_per_gpu=4, workers=1, deadline_s=1500,
                     **{name: photo_data.PhotoSpec(train=32, val=16, scale=0.2)
                        for name in ('main', 'short', 'memory', 'lever', 'parity')},
                     parity_imgsz=64, parity_batch=8, parity_epochs=2, steps=(2, 3), run_timeout_s=300,
@@ -196,7 +197,7 @@ class Bench:
         batch = batch or size['batch_per_gpu'] * gpus
         workers = size['workers'] if upstream else os.cpu_count()  # the kit caps it by the CPUs per process
         device = ','.join(str(i) for i in range(gpus)) if self.cuda else 'cpu'
-        args = ['--data', data, '--cfg', cfg or size['cfg'], '--hyp', 'data/hyps/hyp.scratch-high.yaml',
+        args = ['--data', data, '--cfg', cfg or self.model_of(task), '--hyp', 'data/hyps/hyp.scratch-high.yaml',
                 '--epochs', epochs, '--batch-size', batch, '--imgsz', imgsz or size['imgsz'], '--workers', workers,
                 '--device', device, '--seed', seed, '--project', self.work / 'runs', '--name', name, '--exist-ok',
                 '--noplots', *extra]
@@ -324,8 +325,7 @@ class Bench:
         def run(i):
             name = f'{tag}-{n}gpu-{i}'
             return self.train(name, self.train_cmd(tree, gpus, data, name, extra=['--noval', *extra],
-                                                   cfg=self.model_of(task), batch=self.size['batch_per_gpu'] * n,
-                                                   task=task), tree, images)
+                                                   batch=self.size['batch_per_gpu'] * n, task=task), tree, images)
         return run
 
     def per_gpu(self):
@@ -557,8 +557,8 @@ class Bench:
                             labels='polygons' if task.masks else 'boxes')
             data = ensure_demo_dataset(self.work / f'entry-data-{spec.labels}', spec)
             chosen, _ = kit_levers(levers_of_task(self.args.kit_levers, task))
-            cmd = self.train_cmd(self.kit, n, data, f'entry-{name}', epochs=size['epochs'], cfg=self.model_of(task),
-                                 imgsz=size['imgsz'], batch=size['batch_per_gpu'] * n, extra=chosen, task=task)
+            cmd = self.train_cmd(self.kit, n, data, f'entry-{name}', epochs=size['epochs'], imgsz=size['imgsz'],
+                                 batch=size['batch_per_gpu'] * n, extra=chosen, task=task)
             record[name + suffix] = self.whole_run(f'entry-{name}', cmd, self.kit)
             self.save()
 

@@ -73,15 +73,15 @@ def test_per_gpu_of_another_detection_task_compares_its_upstream_script_with_its
     def commands(task_name):
         bench.args = SimpleNamespace(task=task_name)
         task, suffix = bench.task()
-        made = [bench.train_cmd(tree, 1, 'data.yaml', 'run', cfg=bench.model_of(task), task=task)
+        made = [bench.train_cmd(tree, 1, 'data.yaml', 'run', task=task)  # the task's model unless told another
                 for tree in (bench.upstream, bench.kit)]
         return suffix, [(cmd[1], cmd[cmd.index('--cfg') + 1]) for cmd in made]
     assert commands('detect') == (' (detect)', [('train.py', 'models/detect/gelan-s.yaml'),
                                                 ('ddp_train.py', 'models/detect/gelan-s.yaml')])
     assert commands('detect-triple')[1] == [('train_triple.py', 'models/detect/yolov9-cf.yaml'),
                                             ('ddp_train_triple.py', 'models/detect/yolov9-cf.yaml')]
-    assert commands('detect-dual') == ('', [('train_dual.py', run_bench.SIZES['gpu']['cfg']),
-                                           ('ddp_train_dual.py', run_bench.SIZES['gpu']['cfg'])]), "the targets' own"
+    assert commands('detect-dual') == ('', [('train_dual.py', 'models/detect/yolov9-s.yaml'),
+                                           ('ddp_train_dual.py', 'models/detect/yolov9-s.yaml')]), "the targets' own"
     what = run_bench.of_script(results.TARGETS['per_gpu_vs_upstream_{n}gpu'], TASKS['detect'])
     assert 'upstream train.py' in what and 'train_dual' not in what
     merged = results.merge(call('gpu', **{'per_gpu_vs_upstream_1gpu (detect)': series(2.0, 2.1, 2.2)}), {})
