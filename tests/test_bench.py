@@ -218,42 +218,6 @@ def test_checkpoint_windows_time_each_checkpoint_until_its_file_is_in_place_whoe
             writer.close()
 
 
-def test_the_operator_census_counts_each_operator_under_the_part_of_the_step_running_it():
-    """bench/op_count.py: what runs after the loss, until the next labelled part, is backward's."""
-    from bench.op_count import Census
-    census, a = Census(), torch.ones(3)
-    loss = census.labelled('loss', lambda: (a + 1) * 2)
-    step = census.labelled('optimizer step', lambda: census.labelled('EMA', lambda: a * 4)() + 1)
-    with census:
-        a - 1
-        loss()
-        a * 3, a / 3
-        step()
-    assert census.counts == {'other': 1, 'loss': 2, 'backward': 2, 'EMA': 1, 'optimizer step': 1}
-
-
-@pytest.mark.usefixtures('upstream_importable')
-def test_grad_hooks_stand_in_hands_its_gradients_to_the_kits_graphed_model_both_ways():
-    """bench/grad_hooks.py times the kit's own code: its stand-in's parameters hold the numbers asked for, and with
-    resident_grads the GraphedModel's clones are gone after a step, the gradients zeroed in place; with the clones
-    the gradients are freed and every clone stays."""
-    from bench import grad_hooks
-    from yolov9_ddp import graphs
-    from yolov9_ddp.levers import Levers
-    sides = {}
-    for resident in (False, True):
-        model = grad_hooks.stand_in(5, 52, torch.device('cpu'))
-        graphed = graphs.GraphedModel(model, capture=grad_hooks.replayed_capture)
-        figures = grad_hooks.time_steps(graphed, Levers(cuda_graphs=True, resident_grads=resident),
-                                        torch.optim.SGD(model.parameters(), lr=0.0, fused=True), 2, cuda=False)
-        sides[resident] = model, graphed, figures
-    model, graphed, figures = sides[True]
-    assert [p.numel() for p in model] == [11, 11, 10, 10, 10] and graphed.clones == {}
-    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model) and figures['backward_host_ms'] > 0
-    model, graphed, _ = sides[False]
-    assert len(graphed.clones) == 5 and all(p.grad is None for p in model)
-
-
 def test_the_gpu_sampler_reports_peak_memory_per_gpu_and_gpu_0s_clock_power_and_heat_over_a_span():
     """run_bench.GpuSampler on lines as nvidia-smi prints them (a stand-in prints them), GPU 0's at times 1, 2 and 3."""
     lines = ['0, 100, 1980, 650.5, 60', '1, 900, 1500, 300.0, 50', '0, 300, 1700, 690.0, 71', '0, 200, [N/A], 1, 1',
