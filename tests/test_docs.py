@@ -1,5 +1,6 @@
-"""The README is a front page of at most 15,000 bytes, and every local link in it and in docs/ resolves: the file
-exists, and a #fragment names a heading of the target by GitHub's slug rules. Text only, no subprocesses."""
+"""The README is a front page of at most 8,000 bytes and docs/ a manual of at most 80,000; every local link in them
+resolves (the file exists, and a #fragment names a heading of the target by GitHub's slug rules); and they tell no
+story of how the work on the kit was organised. Text only, no subprocesses."""
 import re
 from pathlib import Path
 from urllib.parse import unquote
@@ -9,7 +10,18 @@ import pytest
 KIT = Path(__file__).resolve().parents[1]
 README = KIT / 'README.md'
 PAGES = [README, *sorted((KIT / 'docs').glob('*.md'))]
-FRONT_PAGE_BYTES = 15_000
+FRONT_PAGE_BYTES = 8_000
+MANUAL_BYTES = 80_000  # every page of docs/ together
+
+# An account of how the work was organised, which a manual for users has no place for: rounds and sessions of work,
+# this project's issue numbers (another repository's, written owner/name issue N or name#N, are references), and
+# documents the repository does not hold.
+ORDINALS = ('first second third fourth fifth sixth seventh eighth ninth tenth eleventh twelfth thirteenth '
+            'fourteenth fifteenth sixteenth seventeenth eighteenth nineteenth twentieth').split()
+WORK_LOG = re.compile(r'\bround[\s_-]+\d|\b(?:%s)[\s_-]+(?:gpu[\s_-]+)?(?:session|round)s?\b|DESIGN\.md|FINDINGS\.md'
+                      % '|'.join(ORDINALS), re.I)
+ISSUE = re.compile(r'(?:(\S+)\s+)?\b(issues?[\s_-]+#?\d+)', re.I)  # 1: the word before (owner/name: a reference)
+REPO = re.compile(r'[\w.-]+/[\w.-]+')
 
 FENCED = re.compile(r'^ {0,3}(`{3,}|~{3,}).*?^ {0,3}\1[`~]*[ \t]*$', re.M | re.S)  # a fenced code block
 CODE_SPAN = re.compile(r'(`+)(?!`).+?(?<!`)\1(?!`)', re.S)
@@ -69,6 +81,32 @@ def test_the_readme_is_a_front_page():
     assert size <= FRONT_PAGE_BYTES, f'README.md is {size} bytes, more than {FRONT_PAGE_BYTES}: move text to docs/'
 
 
+def test_the_docs_are_a_manual_of_at_most_80_000_bytes():
+    size = sum(page.stat().st_size for page in PAGES[1:])
+    assert size <= MANUAL_BYTES, f'docs/*.md are {size} bytes, more than {MANUAL_BYTES}: cut repetition and history'
+
+
+def work_log(text: str) -> list:
+    """What the text says of rounds, sessions, this project's issues and documents the repository does not hold."""
+    return [*(match.group(0) for match in WORK_LOG.finditer(text)),
+            *(match.group(2) for match in ISSUE.finditer(text) if not REPO.fullmatch(match.group(1) or ''))]
+
+
+@pytest.mark.parametrize('page', PAGES, ids=lambda page: str(page.relative_to(KIT)))
+def test_no_page_tells_how_the_work_was_organised(page):
+    found = work_log(page.read_text(encoding='utf-8'))
+    assert not found, f'{page.relative_to(KIT)} tells how the work was organised (history: CHANGELOG.md): {found}'
+
+
+def test_the_work_log_pattern_tells_references_from_accounts():
+    assert work_log('Round 3, the thirteenth session, second GPU session (issue 21; issues 11 and #12), DESIGN.md, '
+                    'a/b#1 issue 2') == ['Round 3', 'thirteenth session', 'second GPU session', 'DESIGN.md',
+                                         'issue 21', 'issues 11', 'issue 2']
+    assert work_log('#round-2-first-gpu-session-2026-12-01') == ['round-2', 'first-gpu-session']
+    assert not work_log('yolov9#559, yolov5#3818, pytorch/pytorch#181723, ultralytics#22926, pytorch/pytorch issue 5, '
+                        'github.com/ultralytics/yolov5/issues/9287, 7 rounds, the first start, around 30 s')
+
+
 @pytest.mark.parametrize('page', PAGES, ids=lambda page: str(page.relative_to(KIT)))
 def test_every_local_link_resolves(page):
     assert local_links(page) or page != README, 'no link found in README.md: is the link pattern still right?'
@@ -84,6 +122,6 @@ def test_every_page_of_docs_is_linked_from_the_readme():
 
 def test_the_slug_rules_are_githubs():
     assert slug('When upstream moves') == 'when-upstream-moves'
-    assert slug('Round 2, first GPU session (2026-12-01): one H200') == 'round-2-first-gpu-session-2026-12-01-one-h200'
+    assert slug('One H200 (2026-12-06): 2.9x upstream') == 'one-h200-2026-12-06-29x-upstream'
     assert slug("What you get over upstream's `train_dual.py`") == 'what-you-get-over-upstreams-train_dualpy'
     assert slug('CI: the oldest versions first') == 'ci-the-oldest-versions-first'
