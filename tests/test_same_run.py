@@ -115,12 +115,11 @@ def test_a_sigkilled_rank_restarts_from_its_periodic_checkpoint_bit_identical_wi
         patched_tree, data, reference, tmp_path):
     """Rank 1 is held before step 2 of epoch 1 and killed once the checkpoint after step 1 is recorded: the restart
     resumes there. Also: 2 loader workers per rank draw the augmentations of none (each sample seeds itself), and
-    rank 0's periodic checkpoints are written by its writer process (the lever checkpoint_process), which rank 0
+    rank 0's periodic checkpoints are written by its writer process, which rank 0
     gives 3 s for the checkpoint after step 0 before it takes step 1: a write still running would make the one after
     step 1 skipped, and nothing would write it while rank 1 holds."""
     project = tmp_path / 'runs'
-    job = launch(patched_tree, tmp_path, 'killed', 2, args(data, project, '--checkpoint-steps', 1, '--workers', 2,
-                                                           '--levers', 'checkpoint_process=1'),
+    job = launch(patched_tree, tmp_path, 'killed', 2, args(data, project, '--checkpoint-steps', 1, '--workers', 2),
                  max_restarts=1, script=FAULTY, fault=f'{held(1, 2, ranks=[1])};slow:rank=0:epoch=1:step=1:sleep=3',
                  **NEW_INTERPRETERS)
     writers = []

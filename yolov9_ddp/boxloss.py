@@ -1,9 +1,9 @@
-"""The lever dense_box_loss: upstream's detection box loss (BboxLoss of utils/loss_tal*.py) over every anchor, the
+"""The switch dense_box_loss: upstream's detection box loss (BboxLoss of utils/loss_tal*.py) over every anchor, the
 background's terms weighted by zero, instead of over the foreground anchors that torch.masked_select picks out.
 
 masked_select's output has as many elements as the mask has true ones, a number the host must read before it can
 allocate the output: a wait for the GPU, five a box loss, two or three box losses a step. After patches 0016 and 0017
-(and with host_targets) they are the detection loss's only waits, and each one empties the GPU's queue, so the host
+(with the targets left on the host, Trainer.loss_targets) they are the detection loss's only waits, and each one empties the GPU's queue, so the host
 cannot issue the rest of the step ahead of the GPU. Over every anchor the loss has the same terms, but its sums
 run over more elements in another order, so its last bits differ from upstream's: --deterministic turns it off.
 """

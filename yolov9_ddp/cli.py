@@ -12,9 +12,8 @@ from pathlib import Path
 
 import yaml
 
-from yolov9_ddp import graphs
+from yolov9_ddp import perf
 from yolov9_ddp.comm import DEFAULT_TIMEOUT_S, Unanimous
-from yolov9_ddp.levers import LOSS_LEVERS, levers_for
 from yolov9_ddp.stream import QUAD
 
 MODELS = Path(__file__).resolve().parent / 'models'  # the kit's tiny model configs, one per task
@@ -122,15 +121,15 @@ def add_kit_flags(p):
     kit.add_argument('--checkpoint-minutes', type=float, default=0, metavar='M',
                      help='write a resumable last.pt every M minutes (default: 0, off), as --checkpoint-steps: a '
                           'SIGKILL (the OOM killer, a lost node) then costs about M minutes of training')
-    kit.add_argument('--levers', metavar='NAME=VALUE,...', default=None,
-                     help='performance levers of yolov9_ddp/levers.py, e.g. cudnn_benchmark=0,channels_last=1 '
-                          '(recorded in opt.yaml: a resume keeps the run\'s levers unless given again)')
+    kit.add_argument('--levers', metavar='NAME=0|1,...', default=None,
+                     help=f'performance switches ({", ".join(perf.SWITCHES)}), e.g. cudnn_benchmark=0 (recorded in '
+                          'opt.yaml: a resume keeps the run\'s unless given again; docs/clone.md)')
     kit.add_argument('--channels-last', action='store_true', help='short for --levers channels_last=1')
     kit.add_argument('--deterministic', action='store_true',
                      help="bit-reproducible: the same seed and number of processes give identical weights (upstream's "
                           'numerics: cudnn_benchmark, fused_optimizer, channels_last and dense_box_loss off; '
                           'torch.use_deterministic_algorithms; CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set)')
-    kit.add_argument('--compile', action='store_true', help='refused: torch.compile does not pay (bench/RESULTS.md)')
+    kit.add_argument('--compile', action='store_true', help='refused: torch.compile does not pay (docs/benchmarks.md)')
     kit.add_argument('--demo-dir', type=Path, default=None,
                      help='where the demo dataset is generated when --data is not given '
                           '(default: PROJECT/../demo-data, demo-data-seg for segmentation)')
@@ -198,17 +197,6 @@ def head_of(cfg) -> str:
         raise UsageError(f'{source}: not a YOLOv9 model config (it has no head)') from e
 
 
-def refuse_levers_without_effect(levers, opt, task):
-    """A lever that would change nothing in this run is refused in one line rather than ignored."""
-    given = [name for name in LOSS_LEVERS if getattr(levers, name)]
-    if given and not task.takes_loss_levers:
-        raise UsageError(f'--levers {given[0]}=1 is for the detection losses; {task.script} trains with upstream\'s '
-                         f'segmentation loss, which has no use for it')
-    if levers.fill_uninitialized and not opt.deterministic:
-        raise UsageError('--levers fill_uninitialized=1 acts under --deterministic only (torch fills new tensors under '
-                         'deterministic algorithms): give --deterministic too, or leave the lever out')
-
-
 def check_options(opt, world_size: int, task):
     """Reject what cannot work, identically on every rank (so all stop together, before any collective); on resume
     opt holds the run's own options."""
@@ -235,14 +223,9 @@ def check_options(opt, world_size: int, task):
     if opt.epochs < 1:
         raise UsageError(f'--epochs {opt.epochs}: train for at least one epoch')
     try:
-        levers = levers_for(opt)
+        perf.checked(opt, world_size, task)
     except ValueError as e:
         raise UsageError(str(e)) from e
-    unsupported = levers.cuda_graphs and graphs.unsupported(opt, world_size)
-    if unsupported:
-        raise UsageError(f'--levers cuda_graphs=1 {unsupported}')
-    if not opt.resume:  # a run recorded before these refusals goes on as it started
-        refuse_levers_without_effect(levers, opt, task)
     for flag in ('data', 'hyp', 'weights'):
         value = getattr(opt, flag)
         if value and not opt.resume and not str(value).startswith(('http://', 'https://')) \

@@ -6,7 +6,6 @@ first (it writes the cache once for a shared folder), then the first process of 
 """
 import os
 import signal
-from dataclasses import replace
 from functools import partial
 from itertools import islice
 
@@ -25,13 +24,14 @@ class DataError(Exception):
 
 
 CPUS_KEPT_PER_PROCESS = 4  # for the training process itself, its pin-memory thread and the system
+PREFETCH_BATCHES = 4  # per loader worker
 
 
 def loader_workers(requested: int, batch_size: int) -> int:
     """Workers per process: the request, capped by this node's CPUs per local process less a few kept free.
 
-    On 2 x H200 with 32 CPUs, 16 workers per process (32 in all, beside the 2 training processes) ran slower
-    than 8 per process: the augmentation pipeline is CPU-bound and oversubscribed CPUs thrash (bench/RESULTS.md).
+    The augmentation pipeline is CPU-bound, and oversubscribed CPUs thrash: on 2 GPUs with 32 CPUs, 16 workers per
+    process ran slower than 8.
     """
     per_process = (os.cpu_count() or 1) // comm.get_local_world_size() - CPUS_KEPT_PER_PROCESS
     return min(requested, max(1, per_process), batch_size if batch_size > 1 else 0)
@@ -73,7 +73,7 @@ class TrainingBatches:
     Where the loader's workers persist, one iterator serves the run's remaining epochs, so that the workers load
     the next epoch's first batches while this one ends, as upstream's InfiniteDataLoader lets them: a new iterator
     each epoch starts with every worker idle, and the GPU waits the time a worker takes to load a whole batch
-    (about a second of a 7-second epoch of 2048 images on one H200, bench/RESULTS.md). Otherwise one iterator an
+    (about a second of a 7-second epoch of 2048 images on one fast GPU). Otherwise one iterator an
     epoch: --image-weights draws an epoch's images after the last epoch's validation (data.train_loader)."""
 
     def __init__(self, loader, epochs: int):
@@ -101,21 +101,19 @@ def init_worker(worker_id, trainer_pid):
     seed_worker(worker_id)
 
 
-def make_loader(dataset, batch_size, workers, levers, cuda, collate_fn, sampler=None, batch_sampler=None):
-    rank = comm.get_rank()
+def make_loader(dataset, batch_sampler, workers, cuda, collate_fn, persistent=True):
+    """Page-locked batches on a GPU (copied with non_blocking=True: no wait for the GPU), workers that persist
+    across epochs (their state, as upstream's InfiniteDataLoader; the sampler's keys tell them each sample's epoch,
+    yolov9_ddp.stream) and PREFETCH_BATCHES ready in each."""
     generator = torch.Generator()
-    generator.manual_seed(WORKER_SEED_BASE + rank)
-    batching = {'batch_sampler': batch_sampler} if batch_sampler is not None else \
-        {'batch_size': batch_size, 'sampler': sampler, 'drop_last': False}
-    # persistent workers keep their state across epochs (what upstream's InfiniteDataLoader is for); the
-    # sampler's keys tell them each sample's epoch (yolov9_ddp.stream)
-    return DataLoader(dataset, num_workers=workers, pin_memory=cuda and levers.pin_memory, collate_fn=collate_fn,
-                      worker_init_fn=partial(init_worker, trainer_pid=os.getpid()), generator=generator,
-                      persistent_workers=workers > 0 and levers.persistent_workers,
-                      prefetch_factor=levers.prefetch_factor if workers > 0 else None, **batching)
+    generator.manual_seed(WORKER_SEED_BASE + comm.get_rank())
+    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers, pin_memory=cuda,
+                      collate_fn=collate_fn, worker_init_fn=partial(init_worker, trainer_pid=os.getpid()),
+                      generator=generator, persistent_workers=workers > 0 and persistent,
+                      prefetch_factor=PREFETCH_BATCHES if workers > 0 else None)
 
 
-def train_loader(task, path, imgsz, batch_per_rank, stride, opt, hyp, levers, cuda, prefix):
+def train_loader(task, path, imgsz, batch_per_rank, stride, opt, hyp, cuda, prefix):
     rank, world = comm.get_rank(), comm.get_world_size()
     global_batch = batch_per_rank * world  # --rect's batch shapes are the global batches' (StreamSampler)
     dataset = build_dataset(task, path, imgsz, global_batch, stride, opt, hyp, augment=True, rect=opt.rect,
@@ -127,14 +125,15 @@ def train_loader(task, path, imgsz, batch_per_rank, stride, opt, hyp, levers, cu
     mosaic_until = opt.epochs - opt.close_mosaic if opt.close_mosaic else None
     samples = SeededSamples(dataset, opt.seed, mosaic_until)
     workers = loader_workers(opt.workers, batch_per_rank)
-    if opt.image_weights:  # each epoch's draw goes into the dataset's indices in the training process (Trainer):
-        levers = replace(levers, persistent_workers=False)  # workers kept across epochs would keep the first draw
-    return make_loader(samples, None, workers, levers, cuda, task.collate(opt.quad), batch_sampler=batches), dataset
+    # --image-weights: each epoch's draw goes into the dataset's indices in the training process (Trainer), which
+    # workers kept across epochs would not see
+    return make_loader(samples, batches, workers, cuda, task.collate(opt.quad), persistent=not opt.image_weights), \
+        dataset
 
 
-def val_loader(task, path, imgsz, batch_per_rank, stride, opt, levers, cuda, prefix):
+def val_loader(task, path, imgsz, batch_per_rank, stride, opt, cuda, prefix):
     dataset = build_dataset(task, path, imgsz, batch_per_rank, stride, opt, hyp=None, augment=False, rect=True,
                             cache=None if opt.noval else opt.cache, pad=0.5, prefix=prefix)
     shards = ShardBatchSampler(len(dataset), batch_per_rank, comm.get_rank(), comm.get_world_size())
     workers = loader_workers(opt.workers * 2, batch_per_rank)
-    return make_loader(dataset, None, workers, levers, cuda, task.collate(quad=False), batch_sampler=shards)
+    return make_loader(dataset, shards, workers, cuda, task.collate(quad=False))

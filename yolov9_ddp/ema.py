@@ -46,8 +46,8 @@ class EmaUpdater:
     EMA new tensors, and lists kept from before would leave the EMA frozen from then on.
     """
 
-    def __init__(self, ema, model: nn.Module, foreach: bool):
-        self.ema, self.foreach = ema, foreach
+    def __init__(self, ema, model: nn.Module):
+        self.ema = ema
         self.track(model)
 
     def track(self, model: nn.Module):
@@ -58,9 +58,6 @@ class EmaUpdater:
         self.storage = first_storage(self.ema.ema), first_storage(model)
 
     def __call__(self, model: nn.Module):
-        if not self.foreach:
-            self.ema.update(model)
-            return
         if (first_storage(self.ema.ema), first_storage(model)) != self.storage:
             self.track(model)
         self.ema.updates += 1

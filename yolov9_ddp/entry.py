@@ -18,7 +18,7 @@ from yolov9_ddp.environment import exit_if_unsupported  # noqa: E402
 exit_if_unsupported(Path(sys.argv[0]).name)  # a too-old torch or no OpenCV: one line, not upstream's traceback
 
 from yolov9_ddp import checkpoint, cli, comm, data, failures, runs, shutdown  # noqa: E402
-from yolov9_ddp.levers import CUBLAS_WORKSPACE  # noqa: E402
+from yolov9_ddp.perf import CUBLAS_WORKSPACE  # noqa: E402
 from yolov9_ddp.tasks import TASKS  # noqa: E402
 
 EXIT_USAGE, EXIT_FAILED = 2, 1

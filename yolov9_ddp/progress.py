@@ -3,13 +3,15 @@ import torch
 
 from yolov9_ddp.checkpoint import queue_host_copies
 
+PROGRESS_EVERY = 10  # steps between two updates of the progress bar
+
 
 class LaggingLosses:
     """Each update of the progress bar sends the mean losses on their way to the host and shows the ones the update
-    before sent (progress_every steps earlier: arrived long since). Reading a GPU value the moment it is computed
+    before sent (PROGRESS_EVERY steps earlier: arrived long since). Reading a GPU value the moment it is computed
     makes the host wait until the GPU has run everything queued before it, and the GPU then idles while the host
-    issues the next step (round 1: an update every step cost the 2-GPU loop 32%, bench/RESULTS.md). The epoch's
-    last update shows its own losses, waited for once an epoch. One per epoch."""
+    issues the next step (an update every step cost a 2-GPU loop a third of its speed). The epoch's last update
+    shows its own losses, waited for once an epoch. One per epoch."""
 
     def __init__(self):
         self.sent = None  # the copy the last update sent, and the event behind it on a GPU

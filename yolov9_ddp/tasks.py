@@ -36,7 +36,7 @@ class Detection:
     flat_and_fixed_lr: bool = True  # --flat-cos-lr and --fixed-lr: train_triple.py and the segment scripts lack them
     masks = False
     model_module = 'models.yolo'  # upstream's module of the model classes (it imports their layers' modules)
-    takes_loss_levers = True  # host_targets (its loss pads the targets where they are: patch 0016), dense_box_loss
+    takes_dense_box_loss = True  # its loss pads the targets where they are (patch 0016) and has box losses
     loss_names = ('box_loss', 'cls_loss', 'dfl_loss')
     metric_names = ('P', 'R', 'mAP50', 'mAP50-95')
     demo_folder = 'demo-data'  # beside --project, when --data is not given
@@ -61,9 +61,9 @@ class Detection:
     def model(self, cfg, nc, hyp):
         return import_module(self.model_module).Model(cfg, ch=3, nc=nc, anchors=hyp.get('anchors'))
 
-    def loss(self, model, opt, levers):
+    def loss(self, model, opt, perf):
         loss = import_module(self.loss_module).ComputeLoss(model)
-        return boxloss.weigh_every_anchor(loss) if levers.dense_box_loss else loss
+        return boxloss.weigh_every_anchor(loss) if perf.dense_box_loss else loss
 
     def loss_inputs(self, batch, device, non_blocking) -> dict:
         """What the loss takes besides predictions and targets (segmentation: the masks)."""
@@ -118,7 +118,7 @@ class Segmentation(Detection):
     validation measures boxes and masks (--mask-ratio, --no-overlap as upstream)."""
     flat_and_fixed_lr: bool = False
     masks = True
-    takes_loss_levers = False  # upstream's segmentation losses copy the targets to the GPU themselves, blocking
+    takes_dense_box_loss = False  # upstream's segmentation losses copy the targets to the GPU themselves
     loss_names = ('box_loss', 'seg_loss', 'cls_loss', 'dfl_loss')
     metric_names = ('P(B)', 'R(B)', 'mAP50(B)', 'mAP50-95(B)', 'P(M)', 'R(M)', 'mAP50(M)', 'mAP50-95(M)')
     demo_folder = 'demo-data-seg'
@@ -127,7 +127,7 @@ class Segmentation(Detection):
     def model(self, cfg, nc, hyp):
         return import_module(self.model_module).SegmentationModel(cfg, ch=3, nc=nc)
 
-    def loss(self, model, opt, levers):  # takes no lever (takes_loss_levers)
+    def loss(self, model, opt, perf):  # takes no switch (takes_dense_box_loss)
         return import_module(self.loss_module).ComputeLoss(model, overlap=not opt.no_overlap)
 
     def loss_inputs(self, batch, device, non_blocking) -> dict:

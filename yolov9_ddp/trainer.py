@@ -31,13 +31,11 @@ from utils.general import (LOGGER, TQDM_BAR_FORMAT, check_dataset, check_img_siz
                            labels_to_image_weights, methods, one_cycle, one_flat_cycle, strip_optimizer,
                            yaml_save)
 from utils.torch_utils import EarlyStopping, ModelEMA, smart_optimizer
-from yolov9_ddp import (checkpoint, checkpoint_process, cli, comm, data, failures, graphs, position, runs, shutdown,
-                        slurm, stream)
+from yolov9_ddp import (checkpoint, checkpoint_process, cli, comm, data, failures, graphs, perf, position, runs,
+                        shutdown, slurm, stream)
 from yolov9_ddp.demo_data import ensure_demo_dataset
 from yolov9_ddp.ema import EmaUpdater, synchronize_ema
-from yolov9_ddp.levers import (DETERMINISTIC, fused_optimizer, record_levers, requested_levers, resumed_levers,
-                               use_deterministic_algorithms)
-from yolov9_ddp.progress import LaggingLosses
+from yolov9_ddp.progress import PROGRESS_EVERY, LaggingLosses
 
 NOMINAL_BATCH = 64  # upstream's nbs: gradients are accumulated up to this many images per optimizer step
 
@@ -97,12 +95,11 @@ def restore_resumed_options(opt, plan, given: dict):
     resumed = runs.resumed_options(vars(opt), plan.options, given)
     resumed['deterministic'] = opt.deterministic or bool(plan.options.get('deterministic'))
     try:
-        given_levers = requested_levers({**vars(opt), 'deterministic': resumed['deterministic']})
+        given_levers = perf.requested({**vars(opt), 'deterministic': resumed['deterministic']})
     except ValueError as e:
         raise cli.UsageError(f'{e} (the run in {plan.save_dir} is deterministic)') from e
     vars(opt).update(resumed)
-    opt.levers = resumed_levers(plan.options, given_levers, LOGGER.info)
-    opt.levers = graphs.off_where_unsupported(opt, comm.launched_world_size(), given_levers, LOGGER.info)
+    opt.levers = perf.resumed(plan.options, given_levers, opt, comm.launched_world_size(), LOGGER.info)
     opt.resume, opt.weights = True, str(plan.resume_from)
     if opt.cfg and not Path(opt.cfg).is_file():  # a relative path from another folder: the checkpoint's own yaml
         opt.cfg = ''
@@ -191,10 +188,10 @@ def rank_local_buffers() -> dict:
 
 # -- the trainer ---------------------------------------------------------------------------------------------------
 
-def periodic_writer(task, in_process: bool) -> checkpoint.CheckpointWriter:
-    """A writer of periodic checkpoints: its thread, or with the lever checkpoint_process a child process, which
-    imports the task's model classes as it starts (their unpickling would at the first checkpoint)."""
-    process = checkpoint_process.WriterProcess(LOGGER.warning, preload=(task.model_module,)) if in_process else None
+def periodic_writer(task) -> checkpoint.CheckpointWriter:
+    """A writer of periodic checkpoints: a child process, which imports the task's model classes as it starts (their
+    unpickling would at the first checkpoint)."""
+    process = checkpoint_process.WriterProcess(LOGGER.warning, preload=(task.model_module,))
     return checkpoint.CheckpointWriter(LOGGER.warning, process)
 
 
@@ -209,10 +206,10 @@ class Trainer:
         self.weights_dir = self.save_dir / 'weights'
         self.last, self.best = self.weights_dir / 'last.pt', self.weights_dir / 'best.pt'
         self.callbacks = Callbacks()  # actions registered on rank 0 only: other ranks log nothing
-        self.levers = record_levers(opt, graphs.one_gpu_defaults(opt, self.world, task))  # into opt.yaml, checkpoints
+        self.perf = perf.for_run(opt, self.world, task)  # into opt.yaml, checkpoints
         self.cuda = device.type == 'cuda'
         self.stop = shutdown.StopRequest(shutdown.CHECK_EVERY_CUDA if self.cuda else 1)
-        self.writer = periodic_writer(task, self.levers.checkpoint_process)  # rank 0's periodic checkpoints
+        self.writer = periodic_writer(task)  # rank 0's periodic checkpoints
         self.best_fitness = 0.0
         self.start = position.Position(epoch=0)  # where this start continues the run (a resume: its checkpoint's)
         self.pending_signal, self.checkpoint_pending, self.last_checkpoint_time = 0, False, time.monotonic()
@@ -233,14 +230,9 @@ class Trainer:
                 self.callbacks.register_action(action, callback=getattr(loggers, action))
         self.callbacks.run('on_pretrain_routine_start')
         init_seeds(opt.seed + 1 + self.rank)
-        if opt.deterministic or not self.levers.cudnn_benchmark:  # upstream's choice of algorithms
-            use_deterministic_algorithms(opt.seed + 1 + self.rank, self.levers.fill_uninitialized)
-        torch.backends.cudnn.benchmark = self.levers.cudnn_benchmark
-        if opt.deterministic:
-            LOGGER.info(f'--deterministic: levers {", ".join(f"{k}={int(v)}" for k, v in DETERMINISTIC.items())}, '
-                        f'torch.use_deterministic_algorithms(True), fill_uninitialized_memory='
-                        f'{torch.utils.deterministic.fill_uninitialized_memory}, '
-                        f'CUBLAS_WORKSPACE_CONFIG={os.environ["CUBLAS_WORKSPACE_CONFIG"]}')
+        said = perf.apply_to_torch(self.perf, opt.seed + 1 + self.rank, opt.deterministic)
+        if said:
+            LOGGER.info(said)
         self.data_dict = comm.run_staged(self.check_data)  # may download: rank 0 first
         self.nc = 1 if opt.single_cls else int(self.data_dict['nc'])
         names = self.data_dict['names']
@@ -254,14 +246,14 @@ class Trainer:
         self.build_optimizer()
         self.build_loaders(gs)
         self.wrap_model()  # DDP makes every rank's weights rank 0's
-        self.forward = graphs.GraphedModel(self.model) if self.levers.cuda_graphs else self.model
+        self.forward = graphs.GraphedModel(self.model) if self.perf.cuda_graphs else self.model
         self.ema = ModelEMA(self.raw_model)  # so the EMA starts identical on every rank
-        self.update_ema = EmaUpdater(self.ema, self.raw_model, self.levers.foreach_ema)
+        self.update_ema = EmaUpdater(self.ema, self.raw_model)
         self.scaler = torch.amp.GradScaler('cuda', enabled=self.amp)
         if ckpt is not None and opt.resume:
             self.restore(ckpt)
         del ckpt
-        self.compute_loss = self.task.loss(self.raw_model, opt, self.levers)
+        self.compute_loss = self.task.loss(self.raw_model, opt, self.perf)
         self.init_loop_state()
         freeze_long_lived_objects()
 
@@ -306,7 +298,7 @@ class Trainer:
             if any(prefix in name for prefix in frozen):
                 LOGGER.info(f'freezing {name}')
                 parameter.requires_grad = False
-        if self.levers.channels_last:  # before the optimizer: fused SGD needs its buffers in the weights' layout
+        if self.perf.channels_last:  # before the optimizer: fused SGD needs its buffers in the weights' layout
             model.to(memory_format=torch.channels_last)
         self.model = self.raw_model = model
 
@@ -334,8 +326,8 @@ class Trainer:
         self.accumulate = max(round(NOMINAL_BATCH / self.batch_size), 1)
         hyp['weight_decay'] *= self.batch_size * self.accumulate / NOMINAL_BATCH
         self.optimizer = smart_optimizer(self.model, opt.optimizer, hyp['lr0'], hyp['momentum'], hyp['weight_decay'])
-        if self.cuda and self.levers.fused_optimizer and opt.optimizer != 'LION':
-            self.optimizer = fused_optimizer(self.optimizer)
+        if self.cuda and self.perf.fused_optimizer and opt.optimizer != 'LION':
+            self.optimizer = perf.fused(self.optimizer)
         epochs = opt.epochs
         if opt.cos_lr:
             self.lf = one_cycle(1, hyp['lrf'], epochs)
@@ -374,9 +366,9 @@ class Trainer:
                        f'not {self.batch_size // previous_world}')
 
     def build_loaders(self, gs):
-        opt, per_rank, levers = self.opt, self.batch_size // self.world, self.levers
+        opt, per_rank = self.opt, self.batch_size // self.world
         self.train_loader, self.dataset = data.train_loader(self.task, self.data_dict['train'], self.imgsz, per_rank,
-                                                            gs, opt, self.hyp, levers, self.cuda, colorstr('train: '))
+                                                            gs, opt, self.hyp, self.cuda, colorstr('train: '))
         self.nb = self.train_loader.batch_sampler.steps  # global batches per epoch
         self.batches = data.TrainingBatches(self.train_loader, opt.epochs)
         labels = np.concatenate(self.dataset.labels, 0)
@@ -385,7 +377,7 @@ class Trainer:
             raise cli.UsageError(f'label class {max_class} exceeds nc={self.nc} in {opt.data}; '
                                  f'possible class labels are 0-{self.nc - 1}')
         self.val_loader = data.val_loader(self.task, self.data_dict['val'], self.imgsz, per_rank * 2, gs, opt,
-                                          levers, self.cuda, colorstr('val: '))
+                                          self.cuda, colorstr('val: '))
         if not opt.resume:
             self.model.half().float()  # pre-reduce anchor precision, as train_dual.py
         if self.primary:
@@ -400,8 +392,7 @@ class Trainer:
                 model = self.raw_model = nn.SyncBatchNorm.convert_sync_batchnorm(model).to(self.device)
                 LOGGER.info('Using SyncBatchNorm()')
             self.model = DistributedDataParallel(model, device_ids=[self.device.index] if self.cuda else None,
-                                                 gradient_as_bucket_view=self.levers.bucket_view,
-                                                 static_graph=self.levers.static_graph, **rank_local_buffers())
+                                                 gradient_as_bucket_view=True, **rank_local_buffers())
 
     # training ---------------------------------------------------------------------------------------------------
 
@@ -532,14 +523,14 @@ class Trainer:
         batches = enumerate(self.batches.of_epoch(epoch, start_step), start_step)
         pbar = tqdm(batches, total=self.nb, initial=start_step, bar_format=TQDM_BAR_FORMAT, disable=not self.primary)
         self.zero_grad()
-        non_blocking = self.levers.pin_memory
+        non_blocking = self.cuda  # page-locked batches (data.make_loader)
         progress = LaggingLosses()
         for i, batch in pbar:
             self.callbacks.run('on_train_batch_start')
             ni = i + self.nb * epoch
             imgs, targets, paths = batch[:3]
             imgs = imgs.to(self.device, non_blocking=non_blocking).float() / 255
-            if self.levers.channels_last:
+            if self.perf.channels_last:
                 imgs = imgs.contiguous(memory_format=torch.channels_last)
             loss_items = self.train_step(ni, epoch, imgs, self.loss_targets(targets),
                                          **self.task.loss_inputs(batch, self.device, non_blocking))
@@ -547,7 +538,7 @@ class Trainer:
             self.after_step(epoch, i, ni, mloss)
             if self.primary:
                 last = i == self.nb - 1
-                shown = progress.shown(mloss, last) if i % self.levers.progress_every == 0 or last else None
+                shown = progress.shown(mloss, last) if i % PROGRESS_EVERY == 0 or last else None
                 if shown is not None:
                     mem = f'{torch.cuda.memory_reserved() / 1E9 if torch.cuda.is_available() else 0:.3g}G'
                     pbar.set_description(('%11s' * 2 + '%11.4g' * (len(losses) + 2)) %
@@ -557,11 +548,11 @@ class Trainer:
         return mloss
 
     def loss_targets(self, targets: torch.Tensor) -> torch.Tensor:
-        """The batch's targets as the loss takes them: the loader's (on the host) with the lever host_targets where the
-        task's loss pads them there without waiting for the GPU (patch 0016), else copied to the device."""
-        if self.levers.host_targets and self.task.takes_loss_levers:
+        """The batch's targets as the loss takes them: the loader's (on the host) with dense_box_loss, where the task's
+        loss pads them there without waiting for the GPU (patch 0016), else copied to the device."""
+        if self.perf.dense_box_loss and self.task.takes_dense_box_loss:
             return targets
-        return targets.to(self.device, non_blocking=self.levers.pin_memory)
+        return targets.to(self.device, non_blocking=self.cuda)
 
     def warmup(self, ni, epoch):
         """Upstream's warmup: accumulation, learning rates and momentum ramp up over the first iterations."""
@@ -585,7 +576,7 @@ class Trainer:
         # micro-steps that do not step skip DDP's gradient all-reduce; the stepping one reduces the sum
         sync = nullcontext() if steps or self.world == 1 else self.model.no_sync()
         with sync:
-            with torch.amp.autocast('cuda', enabled=self.amp, cache_enabled=not self.levers.cuda_graphs):
+            with torch.amp.autocast('cuda', enabled=self.amp, cache_enabled=not self.perf.cuda_graphs):
                 pred = self.forward(imgs)
                 loss, loss_items = self.compute_loss(pred, targets, **loss_inputs)
                 loss *= self.world  # DDP averages gradients over ranks; upstream's loss is a sum over the batch
@@ -606,10 +597,10 @@ class Trainer:
         self.update_ema(self.model)
 
     def zero_grad(self):
-        """Before the next optimizer step's micro-steps. The lever resident_grads zeroes the gradients in place, so
-        that backward adds into them; under cuda_graphs they then need no clone (graphs.GraphedModel)."""
-        self.optimizer.zero_grad(set_to_none=not self.levers.resident_grads)
-        if self.levers.resident_grads and self.levers.cuda_graphs:
+        """Before the next optimizer step's micro-steps. Under cuda_graphs the gradients are zeroed in place, so that
+        backward adds into them and needs no clone (graphs.GraphedModel)."""
+        self.optimizer.zero_grad(set_to_none=not self.perf.cuda_graphs)
+        if self.perf.cuda_graphs:
             self.forward.resident()
 
     def rescale(self, imgs, ni):
