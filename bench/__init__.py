@@ -1,1 +1,1 @@
-"""The GPU benchmarks of the kit (bench/PLAN.md); importable so that tests and scripts share its modules."""
+"""The GPU benchmarks of the kit (docs/benchmarks.md); importable so that tests and scripts share its modules."""

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A periodic checkpoint every W seconds against none, inside one training run of the kit: alternating windows of
-one long epoch (issue 23's checkpoint_minutes_1_vs_none_1gpu with W = 60).
+one long epoch (checkpoint_minutes_1_vs_none_1gpu with W = 60).
 
-    python bench/ckpt_windows.py OUT.json [--window-s W] [--pairs P] [--writers thread,process] ARGS
+    python bench/ckpt_windows.py OUT.json [--window-s W] [--pairs P] [--stamp-every K] ARGS
                                                                               (cwd: the kit tree, one process)
 
 ARGS are ddp_train_dual.py's; the run trains with --checkpoint-minutes 2W/60 added, on a training set longer than
@@ -10,11 +10,10 @@ the run (an epoch's end saves last.pt and restarts the checkpoints' clock, so th
 ends first). Around each periodic checkpoint, taken at c, the window [c - W/2, c + W/2) holds that one only, and the
 W/2 seconds on either side of it, [c - W, c - W/2) and [c + W/2, c + W), hold none: pair k is (the window without,
 the window with) of the k-th checkpoint. The window without lies half before the checkpoint and half after it, so
-that a pace that drifts through the run cancels out of the pair instead of counting as the checkpoint's cost (in the
-twelfth session's H200 run the window without, then the W seconds after the window with, was the faster in every
-pair: bench/RESULTS.md). A window's img/s is its batches over the time from the first to the last of its stamps (the
-window without: both halves' batches over both halves' times), taken every progress_every steps after waiting for
-the GPU (the kit's loop waits for it there anyway, to print its losses). The run stops after the P-th pair, about
+that a pace that drifts through the run cancels out of the pair instead of counting as the checkpoint's cost (a
+window without taken after the window with only came out the faster in every pair of an H200 run). A window's img/s
+is its batches over the time from the first to the last of its stamps (the window without: both halves' batches over
+both halves' times), taken every K steps after waiting for the GPU. The run stops after the P-th pair, about
 (2P + 1) W seconds after the Trainer starts. Each pair also says where its checkpoint's cost fell: its seconds on the
 training thread and in the writer's (each also as the thread's CPU seconds, and the writer's until the host copy was
 complete, where the thread completes it), until its file was in place, the img/s between stamps from 5 s before it
@@ -22,10 +21,6 @@ to 20 s after, the training seconds it lost (lost_s: the intervals ending in the
 same batches at the pace of the window without's half after it), and the seconds of garbage collection in each
 window. A checkpoint of the pairs that was not written (skipped, failed) ends the call in one line: its pair
 would measure nothing.
-
---writers thread,process: the periodic checkpoints are written in turn by the writer's thread and by a writer
-process (the lever checkpoint_process), each pair saying which (`writer`), so that the two ways' lost seconds are
-alternated in one run: which writer costs training less is a comparison inside one call.
 
 Why one run: two runs per pair would each need epochs of minutes to hold a checkpoint a minute, and 3 pairs of
 them do not fit one 10-minute device call; windows of one run share the process, the data stream and the GPU's
@@ -48,8 +43,8 @@ import torch  # noqa: E402
 from bench.gpu_step import TASK  # noqa: E402
 from yolov9_ddp import cli, comm  # noqa: E402
 
-LOST_WITHIN_S = 5.0  # a checkpoint's cost falls in the seconds after it: the writer's thread took 0.8-1.0 s on an
-# H100 (bench/RESULTS.md, eighth session); each interval counted beyond adds its own noise
+LOST_WITHIN_S = 5.0  # a checkpoint's cost falls in the seconds after it (a write takes 1-1.5 s on an H200); each
+# interval counted beyond adds its own noise
 
 
 class Enough(Exception):
@@ -96,7 +91,7 @@ class Windows:
             inside = [(t, n) for t, n in self.stamps if start <= t < end]
             if len(inside) < 2:
                 raise TooShort(f'{end - start:g} s of a window held {len(inside)} stamp(s), one every {self.every} '
-                               'steps: give longer windows (or --levers progress_every=N, fewer steps a stamp)')
+                               'steps: give longer windows (or a smaller --stamp-every)')
             (t0, n0), (t1, n1) = inside[0], inside[-1]
             seconds, batches = seconds + t1 - t0, batches + n1 - n0
         return {'img_per_s': round(batches * batch / seconds, 2), 'seconds': round(seconds, 2), 'batches': batches}
@@ -138,10 +133,9 @@ class Windows:
                 for c, part in zip(taken, self.parts)]
 
 
-def instrument(trainer, windows: Windows, writers=None):
+def instrument(trainer, windows: Windows):
     """Stamp after every step, note when each periodic checkpoint starts and how long its parts take (on the
-    Trainer and its writer objects only), and time the garbage collections. writers: [(name, CheckpointWriter)]
-    that write the periodic checkpoints in turn (None: the trainer's own writer writes them all)."""
+    Trainer and its writer objects only), and time the garbage collections."""
     after_step, save_periodic = trainer.after_step, trainer.save_periodic
 
     def stamped_after_step(epoch, i, ni, mloss):
@@ -150,8 +144,6 @@ def instrument(trainer, windows: Windows, writers=None):
 
     def noted_save_periodic(where):
         part = {}
-        if writers:
-            part['writer'], trainer.writer = writers[len(windows.checkpoints) % len(writers)]
         started, cpu = windows.clock(), time.thread_time()
         windows.checkpoints.append(started)
         windows.parts.append(part)  # before the writer's thread starts, which fills in its part
@@ -167,8 +159,7 @@ def instrument(trainer, windows: Windows, writers=None):
         else:
             windows.collections.append((collection['started'], windows.clock() - collection['started']))
     trainer.after_step, trainer.save_periodic = stamped_after_step, noted_save_periodic
-    for _, writer in writers or [('', trainer.writer)]:
-        time_writes(writer, windows)
+    time_writes(trainer.writer, windows)
     gc.callbacks.append(timed_collection)
 
 
@@ -194,23 +185,8 @@ def time_writes(writer, windows: Windows):
     writer.write = timed_write
 
 
-def alternating_writers(names: str) -> list:
-    """--writers: [(name, CheckpointWriter)], thread or process, each as the trainer makes its own (the process's
-    child started now, as the trainer starts its own while the run sets up)."""
-    from yolov9_ddp.trainer import periodic_writer
-    writers = []
-    for name in names.split(','):
-        if name not in ('thread', 'process'):
-            raise SystemExit(f'ckpt_windows.py: --writers {names}: each is thread or process')
-        writer = periodic_writer(TASK, name == 'process')
-        writer.start_process()
-        writers.append((name, writer))
-    return writers
-
-
-def windows_of_run(trainer, windows: Windows, writers=()) -> list:
-    """Train until the windows have passed, then their pairs (TooShort or NotWritten where they measure nothing).
-    writers: CheckpointWriters of the run besides the one the trainer holds at its end, closed after it."""
+def windows_of_run(trainer, windows: Windows) -> list:
+    """Train until the windows have passed, then their pairs (TooShort or NotWritten where they measure nothing)."""
     try:
         trainer.fit()
         raise TooShort('the run ended before the windows did: give more epochs or a larger training set')
@@ -218,17 +194,7 @@ def windows_of_run(trainer, windows: Windows, writers=()) -> list:
         pass
     finally:
         trainer.close()  # a checkpoint write under way ends first
-        for writer in writers:
-            writer.close()
     return windows.pairs_of(trainer.batch_size)
-
-
-def lost_by_writer(pairs: list) -> dict:
-    """{writer: [lost_s of each of its checkpoints]} ('' where the trainer's own writer wrote them all)."""
-    lost = {}
-    for pair in pairs:
-        lost.setdefault(pair['checkpoint'].get('writer', ''), []).append(pair['checkpoint']['lost_s'])
-    return lost
 
 
 def main():
@@ -236,7 +202,8 @@ def main():
     p.add_argument('out', type=Path)
     p.add_argument('--window-s', type=float, default=60.0, metavar='W')
     p.add_argument('--pairs', type=int, default=3)
-    p.add_argument('--writers', default='', help='thread,process: the periodic checkpoints written by each in turn')
+    p.add_argument('--stamp-every', type=int, default=10, metavar='K',
+                   help='steps between stamps, each a wait for the GPU (the kit waits for it as often, to show losses)')
     args, train_args = p.parse_known_args()
     opt = cli.parse_args([*train_args, '--checkpoint-minutes', f'{2 * args.window_s / 60:g}'], ROOT, TASK)
     if comm.launched_world_size() > 1:
@@ -246,18 +213,17 @@ def main():
     from yolov9_ddp.trainer import plan_start, prepare_trainer
     with comm.process_group(device):
         trainer = prepare_trainer(TASK, opt, device, plan_start(opt))
-        windows = Windows(args.window_s, args.pairs, trainer.levers.progress_every, device.type == 'cuda')
-        writers = alternating_writers(args.writers) if args.writers else []
-        instrument(trainer, windows, writers)
+        windows = Windows(args.window_s, args.pairs, args.stamp_every, device.type == 'cuda')
+        instrument(trainer, windows)
         try:
-            pairs = windows_of_run(trainer, windows, [trainer.writer, *(writer for _, writer in writers)])
+            pairs = windows_of_run(trainer, windows)
         except (TooShort, NotWritten) as e:
             raise SystemExit(f'ckpt_windows.py: {e}') from None
         args.out.write_text(json.dumps({
             'window_s': args.window_s, 'checkpoint_minutes': opt.checkpoint_minutes, 'levers': opt.levers,
-            'writers': args.writers, 'batch': trainer.batch_size,
+            'batch': trainer.batch_size,
             'checkpoints_at_s': [round(c - windows.stamps[0][0], 1) for c in windows.checkpoints],
-            'lost_s': lost_by_writer(pairs), 'pairs': pairs}))
+            'lost_s': [pair['checkpoint']['lost_s'] for pair in pairs], 'pairs': pairs}))
 
 
 if __name__ == '__main__':

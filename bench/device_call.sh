@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One benchmark call on the GPU machine, as bench/PLAN.md lists them (the device tool: carry ['.bench']):
+# One benchmark call on the GPU machine, as docs/benchmarks.md gives them (carry the packed .bench folder along):
 #
 #   bash bench/device_call.sh CALL [run_bench.py options]      e.g.  bash bench/device_call.sh per-gpu
 #

@@ -2,8 +2,7 @@
 """The GPU-only training step: forward, loss, backward, optimizer step (and EMA) on a batch already on the GPU,
 no loader, on one process or one per GPU (torchrun, DDP, gradient all-reduce included).
 
-    [torchrun --nproc_per_node N] bench/gpu_step.py OUT.json --settings kit|upstream [--warmup W] [--steps S]
-        [--profile K] ARGS
+    [torchrun --nproc_per_node N] bench/gpu_step.py OUT.json --settings kit|upstream [--warmup W] [--steps S] ARGS
 
 ARGS are ddp_train_dual.py's (--data, --cfg, --batch-size for all processes, --imgsz, --device, --levers ...).
   kit        run in the kit tree: the kit's own Trainer.train_step, with its levers (defaults, or --levers)
@@ -12,9 +11,7 @@ ARGS are ddp_train_dual.py's (--data, --cfg, --batch-size for all processes, --i
 
 Both take the same batch: each rank's images of the training set, augmented (mosaic) under fixed seeds by
 upstream's LoadImagesAndLabels. Times `steps` steps after `warmup` (cudnn autotuning, compilation); rank 0
-writes OUT.json: img/s over all processes, and the warm-up's seconds. --profile K: K more steps under
-torch.profiler, and where their time goes: the GPU's busy time a step against the step's wall time (a step
-bound by the GPU keeps it busy throughout), and the operators that take most of it (convolutions or the rest).
+writes OUT.json: img/s over all processes, and the warm-up's seconds.
 """
 import argparse
 import json
@@ -68,31 +65,6 @@ def time_steps(step, warmup: int, steps: int, cuda: bool) -> dict:
     return {'warmup_s': round(warmed - started, 2), 'steps_s': time.perf_counter() - warmed}
 
 
-def profile_steps(step, first: int, count: int, cuda: bool, top: int = 20) -> dict:
-    """count steps from first under torch.profiler: per step, the wall time, the GPU's busy time (its kernels'
-    time, summed over operators) and the operators with the most of it (their own kernels, not their children's);
-    on CPUs the operators' own CPU time instead."""
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-    synchronize(cuda)
-    started = time.perf_counter()
-    with profile(activities=activities) as prof:
-        for i in range(first, first + count):
-            step(i)
-        synchronize(cuda)
-    wall = (time.perf_counter() - started) / count
-
-    def own_ms(op):  # self time of the operator's kernels on the GPU (or of its CPU code), ms a step
-        us = getattr(op, 'self_device_time_total', getattr(op, 'self_cuda_time_total', 0)) if cuda \
-            else op.self_cpu_time_total
-        return us / 1000 / count
-    ops = sorted(prof.key_averages(), key=own_ms, reverse=True)
-    busy = sum(own_ms(op) for op in ops)
-    return {'steps': count, 'wall_ms_per_step': round(wall * 1000, 2), 'measure': 'GPU' if cuda else 'CPU',
-            'busy_ms_per_step': round(busy, 2), 'busy_share': round(busy / (wall * 1000), 4),
-            'ops': [[op.key, round(own_ms(op), 3), round(own_ms(op) / busy, 4)] for op in ops[:top] if own_ms(op)]}
-
-
 def kit_trainer(opt, device):
     """(the kit's Trainer in training mode, this rank's share of a fixed batch on the device, its targets as the
     loss takes them: Trainer.loss_targets)."""
@@ -100,9 +72,9 @@ def kit_trainer(opt, device):
     trainer = prepare_trainer(TASK, opt, device, plan_start(opt))
     per_rank = trainer.batch_size // trainer.world
     images, targets = fixed_batch(trainer.dataset, trainer.rank * per_rank, per_rank, opt.seed)
-    pin = trainer.levers.pin_memory and trainer.cuda
+    pin = trainer.cuda  # as the kit's loader hands its batches over: page-locked, copied without a wait
     images = images.to(device, non_blocking=pin).float() / 255
-    if trainer.levers.channels_last:
+    if trainer.perf.channels_last:  # as the training loop does
         images = images.contiguous(memory_format=torch.channels_last)
     trainer.model.train()
     return trainer, images, trainer.loss_targets(targets.pin_memory() if pin else targets)
@@ -183,7 +155,6 @@ def main():
     p.add_argument('--settings', choices=('kit', 'upstream'), required=True)
     p.add_argument('--warmup', type=int, default=15)
     p.add_argument('--steps', type=int, default=40)
-    p.add_argument('--profile', type=int, default=0, metavar='K', help='K more steps under torch.profiler')
     args, train_args = p.parse_known_args()
     if args.settings == 'upstream':
         os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')  # what upstream's init_seeds sets, before cuBLAS
@@ -194,14 +165,13 @@ def main():
         step, per_rank, world = (kit_step if args.settings == 'kit' else upstream_step)(opt, device)
         cuda = device.type == 'cuda'
         timing = time_steps(step, args.warmup, args.steps, cuda)
-        profiled = profile_steps(step, args.warmup + args.steps, args.profile, cuda) if args.profile else None
         if comm.is_primary():
             images = per_rank * world * args.steps
             args.out.write_text(json.dumps({
                 'settings': args.settings, 'processes': world, 'batch_per_process': per_rank, 'steps': args.steps,
                 'img_per_s': round(images / timing['steps_s'], 1),
                 'per_gpu_img_per_s': round(images / timing['steps_s'] / world, 1), 'warmup_s': timing['warmup_s'],
-                'warmup_steps': args.warmup, **({'profile': profiled} if profiled else {})}))
+                'warmup_steps': args.warmup}))
 
 
 if __name__ == '__main__':

@@ -4,8 +4,8 @@
     python bench/results.py merge CALL_RESULTS.json... [--into bench/results.json]
 
 Every target is the median of the ratios of at least MIN_PAIRS pairs (A, B) run alternately in one call (A, B,
-A, B, ...): one machine differs from the next by up to 44% on the same command (issue 15), a ratio within a pair
-much less. A call's results.json holds its pairs (every figure of every run) and the targets they give. Merging a
+A, B, ...): one machine differs from the next by up to 44% on the same command, a ratio within a pair much
+less. A call's results.json holds its pairs (every figure of every run) and the targets they give. Merging a
 GPU call puts its pairs at the top of bench/results.json (a later call of the same comparison replaces an earlier
 one) and recomputes "targets" from all pairs there; a dry run (CPU) lands under "dry_run" and never touches them.
 """
@@ -29,7 +29,7 @@ TARGETS = {  # key, for N GPUs (the keys name 2 GPUs where N is 2) -> what its r
                               "the kit's defaults against upstream's numerics (same seed within a pair)",
     'ram_cache_{n}ranks_vs_1rank': 'node memory holding the --cache ram images with N ranks / with 1 rank',
 }
-# issue 23's targets, on one H200: keys of their own beside issue 15's
+# the one-GPU targets: keys of their own beside the N-GPU ones above
 ONE_GPU_TARGETS = {
     'per_gpu_vs_upstream_1gpu': "kit img/s / upstream train_dual.py's, 1 GPU, same data (second epoch, from "
                                 'results.csv)',
@@ -45,7 +45,7 @@ PARITY = 'parity_map50_95_points'
 # call on 2048 images) stands for it, with a note saying so, where every pair's timed epoch had at least one a minute
 CHECKPOINT_TARGET = 'checkpoint_minutes_1_vs_none_1gpu'
 CHECKPOINT_SERIES = re.compile(r'checkpoint_minutes_([0-9.]+)_vs_none_1gpu$')
-# results.json's "targets" are issue 15's, named for 2 GPUs; a call on another number of GPUs adds its pairs under
+# results.json's N-GPU "targets" are named for 2 GPUs; a call on another number of GPUs adds its pairs under
 # its own keys (per_gpu_vs_upstream_1gpu, ...), and only its GPU-count-free ones (in_loop_vs_gpu_only,
 # gpu_only_vs_upstream_settings, parity) count towards the targets
 TARGET_GPUS = 2
@@ -71,7 +71,7 @@ def targets_from(pairs: dict, n: int) -> dict:
 
 
 def one_gpu_targets(pairs: dict) -> dict:
-    """Issue 23's targets: the median ratio of each key's pairs, None where none were run; the checkpoint target
+    """The one-GPU targets: the median ratio of each key's pairs, None where none were run; the checkpoint target
     from a series with more frequent checkpoints where it has none of its own (checkpoint_bound)."""
     targets = {key: median_ratio(pairs[key]) if key in pairs else None for key in ONE_GPU_TARGETS}
     bound = checkpoint_bound(pairs) if targets[CHECKPOINT_TARGET] is None else None

@@ -5,43 +5,39 @@ alternating pairs (A, B, A, B, ...), every pair recorded, the target the median 
     python bench/run_bench.py CALL --out DIR [--gpus N] [--pairs 3] [--deadline-s S]         on the GPU machine
     python bench/run_bench.py CALL --out DIR --dry-run [--gpus 2]                            CPUs, gloo, tiny sizes
 
-CALL (bench/PLAN.md has the device calls; bench/results.py the targets):
+CALL (docs/benchmarks.md has the figures and their commands; bench/results.py the targets):
   per-gpu      upstream train_dual.py on N GPUs | the kit on N GPUs                -> per_gpu_vs_upstream_Ngpu
                (--task detect or detect-triple: train.py | ddp_train.py, or train_triple.py | ddp_train_triple.py,
                with ENTRY_POINT_CFGS' model; its series keyed '... (TASK)', no target; per-gpu-det too)
+  per-gpu-det  upstream train_dual.py | the kit | the kit with --deterministic, N GPUs, 2048 images
+                                                                                   -> per_gpu_vs_upstream_Ngpu,
+                                                                                      deterministic_vs_upstream_Ngpu
   scaling      the kit on 1 GPU | the kit on N GPUs                                -> scaling_Ngpu
   step         the kit on N GPUs | its GPU-only step | upstream's GPU-only step    -> in_loop_vs_gpu_only,
                                                                                       gpu_only_vs_upstream_settings
+  loop-lever   the kit | its GPU-only step [| the GPU-only step with --levers LEVER: --lever LEVER], 2048 images
+                                                                                   -> in_loop_vs_gpu_only_Ngpu
+                                                                                      (and lever LEVER, no target)
   val-cache    rank-0 | distributed validation (one job); the kit with --cache ram on 1 | N GPUs
                                                                                    -> val_Ngpu_vs_rank0,
                                                                                       ram_cache_Nranks_vs_1rank
   parity       per seed: the kit on 1 GPU | on N GPUs | on N GPUs with upstream's numerics, trained to the end
                (on one GPU: the kit | upstream's numerics)                         -> parity_map50_95_points
-  cache-speed  the kit on N GPUs with --cache ram | without                       -> ram_cache_speedup_Ngpu (no target)
-  lever        the kit on N GPUs | with --levers LEVER (e.g. channels_last=1)      -> lever LEVER (no target)
-  per-gpu-det  upstream train_dual.py | the kit | the kit with --deterministic, N GPUs, 2048 images
-                                                                                   -> per_gpu_vs_upstream_Ngpu,
-                                                                                      deterministic_vs_upstream_Ngpu
-  loop-lever   the kit | its GPU-only step | the GPU-only step with --levers LEVER [| the kit with it: --end-to-end],
-               2048 images                                                         -> in_loop_vs_gpu_only_Ngpu,
-                                                                                      lever LEVER (GPU-only step)
   ckpt-minutes the kit | the kit with --checkpoint-minutes M (default 0.1), N GPUs, 2048 images, each run's periodic
                checkpoints counted                          -> checkpoint_minutes_M_vs_none_Ngpu (and its in-loop
                                                                twin); with M <= 1 it bounds
                                                                checkpoint_minutes_1_vs_none_1gpu (bench/results.py)
-  ckpt-windows one run of the kit on 1 GPU, one long epoch (the main dataset W-fold, as links) with a periodic
+  ckpt-windows one run of the kit on 1 GPU, one long epoch (the main dataset repeated, as links) with a periodic
                checkpoint every 2W s: the W s around each | the W/2 s before and after that, which have none
                (bench/ckpt_windows.py, --window-s W, default 60)
                                                             -> checkpoint_minutes_W/60_vs_none_1gpu: with W = 60,
                                                                checkpoint_minutes_1_vs_none_1gpu itself
-               --writers thread,process: the checkpoints written by the writer's thread and a writer process in
-               turn, each pair saying which and what it lost (no target: which writer costs training less)
   entry-points every kit entry point (ddp_train.py, ..., segment/ddp_train_dual.py) trains on N GPUs: a whole
                short run each, an upstream model of its kind on its task's demo data  -> entry_points (no target)
 
-Throughput is timed from outside the training process, the same way for both programs, as in the earlier rounds:
-the second epoch's images over the time between the first and second rows of results.csv (the first epoch, with
-start-up, autotuning and worker start, is excluded; the run is stopped there). The kit's in-loop figure is its own
+Throughput is timed from outside the training process, the same way for both programs: the second epoch's images
+over the time between the first and second rows of results.csv (the first epoch, with start-up, autotuning and
+worker start, is excluded; the run is stopped there). The kit's in-loop figure is its own
 'epoch 1: ... img/s' log line (the loop alone, without the epoch's end). Each run's figures, and the pairs and
 targets so far, are written to OUT/results.json after every round; a round that would end past --deadline-s is not
 started, so a call always returns its figures.
@@ -70,7 +66,7 @@ sys.path.insert(0, str(KIT))
 from bench import photo_data, prepare_trees, results  # noqa: E402
 from testsupport import imagecache  # noqa: E402
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset, generated_dataset  # noqa: E402
-from yolov9_ddp.levers import DETERMINISTIC, LOSS_LEVERS  # noqa: E402
+from yolov9_ddp.perf import DETERMINISTIC  # noqa: E402  (the one name bench/ takes from yolov9_ddp.perf)
 from yolov9_ddp.tasks import TASKS  # noqa: E402
 
 NCCL_SAFETY = {'NCCL_NVLS_ENABLE': '0', 'TORCH_SYMM_MEM_DISABLE_MULTICAST': '1', 'NVSHMEM_DISABLE_NVLS': '1'}
@@ -87,12 +83,12 @@ ENTRY_POINT_CFGS = {'detect': 'models/detect/gelan-s.yaml', 'detect-dual': 'mode
                     'segment-dual': 'models/segment/yolov9-c-dseg.yaml'}
 
 # Sizes of a GPU call and of a dry run (CPUs, a few seconds a run; the model is the task's, Bench.model_of): images
-# per GPU, the datasets (main: 4096 images as in the earlier rounds; short: 3072 where a call's three rounds need the
-# time, scaling and step).
+# per GPU, the datasets (main: 4096 images; short: 3072 where a call's three rounds need the time, scaling and step;
+# small: 2048, where three runs a round must fit one 10-minute call on one GPU).
 SIZES = {
     'gpu': dict(imgsz=640, batch_per_gpu=32, workers=8, deadline_s=530,
                 main=photo_data.PhotoSpec(train=4096, val=1000), short=photo_data.PhotoSpec(train=3072, val=1000),
-                memory=photo_data.PhotoSpec(train=2048, val=1000), lever=photo_data.PhotoSpec(train=2048, val=1000),
+                memory=photo_data.PhotoSpec(train=2048, val=1000), small=photo_data.PhotoSpec(train=2048, val=1000),
                 parity=photo_data.PhotoSpec(train=4096, val=500, scale=0.5), parity_imgsz=256, parity_batch=64,
                 parity_epochs=4, steps=(15, 40), run_timeout_s=300,
                 entry=dict(train=1024, val=256, imgsz=320, epochs=3, batch_per_gpu=16),
@@ -100,7 +96,7 @@ SIZES = {
                 ckpt_copies=48),  # 48 x 4096 images: 504 s at 390 img/s, past the (2P + 1) W = 420 s of W = 60, P = 3
     'dry-run': dict(imgsz=64, batch_per_gpu=4, workers=1, deadline_s=1500,
                     **{name: photo_data.PhotoSpec(train=32, val=16, scale=0.2)
-                       for name in ('main', 'short', 'memory', 'lever', 'parity')},
+                       for name in ('main', 'short', 'memory', 'small', 'parity')},
                     parity_imgsz=64, parity_batch=8, parity_epochs=2, steps=(2, 3), run_timeout_s=300,
                     entry=dict(train=16, val=8, imgsz=64, epochs=1, batch_per_gpu=4),
                     quick_entry=dict(train=16, val=8, imgsz=64, epochs=1, batch_per_gpu=4), ckpt_copies=100),
@@ -340,13 +336,13 @@ class Bench:
                                                 'runs were one process (same global batch)'
 
     def per_gpu_det(self):
-        """Issue 23: the kit end to end, and with --deterministic, against upstream, alternated in one call; the
-        lever call's dataset (2048 images), so that three rounds of three runs fit one call on one GPU."""
+        """The kit end to end, and with --deterministic, against upstream, alternated in one call; 2048 images, so
+        that three rounds of three runs fit one call on one GPU."""
         n, (chosen, suffix), (task, task_suffix) = self.n, kit_levers(self.args.kit_levers), self.task()
         deterministic, suffix = ['--deterministic', *chosen], task_suffix + suffix
-        self.rounds({'upstream': self.end_to_end(self.upstream, 'upstream-d', 'lever', task=task),
-                     'kit': self.end_to_end(self.kit, 'kit-d', 'lever', chosen, task=task),
-                     'kit --deterministic': self.end_to_end(self.kit, 'kit-det', 'lever', deterministic, task=task)}, {
+        self.rounds({'upstream': self.end_to_end(self.upstream, 'upstream-d', 'small', task=task),
+                     'kit': self.end_to_end(self.kit, 'kit-d', 'small', chosen, task=task),
+                     'kit --deterministic': self.end_to_end(self.kit, 'kit-det', 'small', deterministic, task=task)}, {
             f'per_gpu_vs_upstream_{n}gpu{suffix}': ('upstream', 'kit', lambda a, b: ratio(b, a, 'img_per_s'),
                                                     of_script(results.TARGETS['per_gpu_vs_upstream_{n}gpu'], task)),
             f'deterministic_vs_upstream_{n}gpu{suffix}': ('upstream', 'kit --deterministic',
@@ -355,14 +351,10 @@ class Bench:
                                                               'deterministic_vs_upstream_1gpu'], task))})
 
     def loop_lever(self):
-        """Issue 23: the kit's in-loop rate against its GPU-only step, and one lever in the GPU-only step (and with
-        --end-to-end in training too), alternated in one call (2048 images)."""
-        data, n, images, lever = self.dataset('lever'), self.n, self.size['lever'].train, self.args.lever
+        """The kit's in-loop rate against its GPU-only step, alternated in one call (2048 images); --lever L adds the
+        GPU-only step with --levers L, which says what L does to the step without the loop around it."""
+        data, n, images, lever = self.dataset('small'), self.n, self.size['small'].train, self.args.lever
         warmup, steps = self.size['steps']
-
-        def kit(extra, tag):
-            return lambda i: self.train(f'{tag}-{n}gpu-{i}', self.train_cmd(
-                self.kit, n, data, f'{tag}-{n}gpu-{i}', extra=['--noval', *extra]), self.kit, images)
 
         def gpu_only(extra, tag):
             def run(i):
@@ -371,28 +363,26 @@ class Bench:
                         *self.train_cmd(self.kit, n, data, name)[len(launcher(n)) + 1:], *extra]
                 return self.job(name, args, n, self.kit)
             return run
-        tag, asked = lever_tag(lever), lever_args(lever)
-        runs = {'kit': kit([], 'kit-l'), 'gpu-only': gpu_only([], 'defaults'),
-                f'gpu-only {lever}': gpu_only(asked, tag)}
-        pairs = {
-            f'in_loop_vs_gpu_only_{n}gpu': ('kit', 'gpu-only', lambda a, b: round(
-                a['in_loop_img_per_s'] / b['img_per_s'], 4), results.ONE_GPU_TARGETS['in_loop_vs_gpu_only_1gpu']),
-            f'lever {lever} (GPU-only step)': ('gpu-only', f'gpu-only {lever}', lambda a, b: ratio(b, a, 'img_per_s'),
-                                               f'GPU-only step img/s with --levers {lever} / with the defaults')}
-        if self.args.end_to_end:  # a fourth run a round: three rounds take more than one call on one GPU
-            runs[f'kit {lever}'] = kit(asked, f'kit-{tag}')
-            pairs[f'lever {lever}'] = ('kit', f'kit {lever}', lambda a, b: ratio(b, a, 'img_per_s'),
-                                       f'kit img/s with --levers {lever} / with the defaults, N GPUs (second epoch)')
+        runs = {'kit': lambda i: self.train(f'kit-l-{n}gpu-{i}', self.train_cmd(
+                    self.kit, n, data, f'kit-l-{n}gpu-{i}', extra=['--noval']), self.kit, images),
+                'gpu-only': gpu_only([], 'defaults')}
+        pairs = {f'in_loop_vs_gpu_only_{n}gpu': ('kit', 'gpu-only', lambda a, b: round(
+            a['in_loop_img_per_s'] / b['img_per_s'], 4), results.ONE_GPU_TARGETS['in_loop_vs_gpu_only_1gpu'])}
+        if lever:
+            runs[f'gpu-only {lever}'] = gpu_only(['--levers', lever], lever_tag(lever))
+            pairs[f'lever {lever} (GPU-only step)'] = (
+                'gpu-only', f'gpu-only {lever}', lambda a, b: ratio(b, a, 'img_per_s'),
+                f'GPU-only step img/s with --levers {lever} / with the defaults')
         self.rounds(runs, pairs)
 
     def ckpt_minutes(self):
-        """Issue 23: the kit end to end without periodic checkpoints and with one every --checkpoint-minutes M,
+        """The kit end to end without periodic checkpoints and with one every --checkpoint-minutes M,
         alternated in one call (2048 images). train() counts each run's checkpoints from its run.json, those of the
         timed (second) epoch apart: a ratio says what checkpoints cost only where some were written in that epoch."""
         n, minutes = self.n, self.args.checkpoint_minutes
         key, label = results.checkpoint_key(minutes, n), f'kit --checkpoint-minutes {minutes:g}'
-        self.rounds({'kit': self.end_to_end(self.kit, 'kit-c', 'lever'),
-                     label: self.end_to_end(self.kit, f'kit-c{minutes:g}', 'lever',
+        self.rounds({'kit': self.end_to_end(self.kit, 'kit-c', 'small'),
+                     label: self.end_to_end(self.kit, f'kit-c{minutes:g}', 'small',
                                             ['--checkpoint-minutes', f'{minutes:g}'])}, {
             key: ('kit', label, lambda a, b: ratio(b, a, 'img_per_s'), results.checkpoint_what(minutes)),
             f'{key} (in loop)': ('kit', label, lambda a, b: ratio(b, a, 'in_loop_img_per_s'),
@@ -402,14 +392,12 @@ class Bench:
         self.save()
 
     def ckpt_windows(self):
-        """Issue 23: one run of the kit on one GPU (bench/ckpt_windows.py) pairs the W seconds around each periodic
+        """One run of the kit on one GPU (bench/ckpt_windows.py) pairs the W seconds around each periodic
         checkpoint with the W/2 before and the W/2 after them, which hold none. Its warm-up is shortened to 100 steps
         (upstream's 3 epochs would be the whole run here, its accumulation and learning rate changing under the
         windows)."""
         window, copies = self.args.window_s, self.size['ckpt_copies']
         chosen, suffix = kit_levers(self.args.kit_levers)
-        writers = ['--writers', self.args.writers] if self.args.writers else []
-        suffix += f' (writers {self.args.writers} in turn)' if self.args.writers else ''
         data = repeated(self.dataset('main'), copies)
         hyp = self.work / 'hyp-short-warmup.yaml'
         hyp.write_text(re.sub(r'^warmup_epochs: .*$', 'warmup_epochs: 0  # 100 steps, the least',
@@ -420,7 +408,7 @@ class Bench:
                       window / 60, '1 GPU, windows of one run (bench/ckpt_windows.py)'), 'pairs': []}
         name = 'ckpt-windows-1gpu'
         args = self.train_cmd(self.kit, 1, data, name, epochs=1, extra=['--noval', '--hyp', hyp, *chosen])
-        script = [KIT / 'bench' / 'ckpt_windows.py', '--window-s', window, '--pairs', self.args.pairs, *writers]
+        script = [KIT / 'bench' / 'ckpt_windows.py', '--window-s', window, '--pairs', self.args.pairs]
         self.series_of_one_job(key, series, name, [*script, *args[len(launcher(1)) + 1:]], 1, lambda pairs: [
             {'a': p['without'], 'b': {**p['with'], 'checkpoints': {  # one in each window of W s
                 'per_minute_in_timed_epoch': round(60 / window, 2)}, 'checkpoint': p['checkpoint']},
@@ -530,24 +518,13 @@ class Bench:
                                                        f'{UPSTREAM_NUMERICS}), same seed')
         self.rounds(runs, pairs)
 
-    def cache_speed(self):
-        data, n, images = self.dataset('main'), self.n, self.size['main'].train
-
-        def run(cache):
-            return lambda i: self.train(f'kit-{n}gpu-{cache}-{i}', self.train_cmd(
-                self.kit, n, data, f'kit-{n}gpu-{cache}-{i}', extra=['--noval', *(['--cache', 'ram'] if cache ==
-                                                                                   'ram' else [])]), self.kit, images)
-        self.rounds({'no cache': run('nocache'), '--cache ram': run('ram')}, {
-            f'ram_cache_speedup_{n}gpu': ('no cache', '--cache ram', lambda a, b: ratio(b, a, 'img_per_s'),
-                                          'kit img/s with --cache ram / without, N GPUs (second epoch)')})
-
     def entry_points(self):
         """Each kit entry point trains a whole short run on N GPUs (NCCL) with an upstream model of its kind, on its
         task's demo data (boxes; polygons for segmentation): the in-loop img/s of its last epoch, its final metrics.
-        --kit-levers L: with --levers L, recorded as 'NAME (--levers L)'; the segmentation entry points, which refuse
-        the detection losses' levers, without those."""
+        --kit-levers L: with --levers L, recorded as 'NAME (--levers L)' (an entry point that refuses L records its
+        error line)."""
         n, size = self.n, self.size['quick_entry' if self.args.quick else 'entry']
-        _, suffix = kit_levers(self.args.kit_levers)
+        chosen, suffix = kit_levers(self.args.kit_levers)
         record = self.record.setdefault('entry_points', {})
         for name, task in TASKS.items():
             if self.elapsed() > self.deadline:
@@ -556,7 +533,6 @@ class Bench:
             spec = DemoSpec(train=size['train'], val=size['val'], imgsz=size['imgsz'],
                             labels='polygons' if task.masks else 'boxes')
             data = ensure_demo_dataset(self.work / f'entry-data-{spec.labels}', spec)
-            chosen, _ = kit_levers(levers_of_task(self.args.kit_levers, task))
             cmd = self.train_cmd(self.kit, n, data, f'entry-{name}', epochs=size['epochs'], imgsz=size['imgsz'],
                                  batch=size['batch_per_gpu'] * n, extra=chosen, task=task)
             record[name + suffix] = self.whole_run(f'entry-{name}', cmd, self.kit)
@@ -579,35 +555,16 @@ class Bench:
               flush=True)
         return figures
 
-    def lever(self):
-        """One lever against the defaults, end to end (2048 images); --deterministic: both runs with it, the
-        series keyed '... (--deterministic)' (a lever of the deterministic step). A lever given as options
-        ('--workers 6') is those options of the kit's command line (lever_args)."""
-        data, n, images, lever = self.dataset('lever'), self.n, self.size['lever'].train, self.args.lever
-        base, suffix = (['--deterministic'], ' (--deterministic)') if self.args.deterministic else ([], '')
-        asked, tag = lever_args(lever), lever_tag(lever)
 
-        def run(extra, tag):
-            return lambda i: self.train(f'lever-{tag}-{i}', self.train_cmd(
-                self.kit, n, data, f'lever-{tag}-{i}', extra=['--noval', *base, *extra]), self.kit, images)
-        self.rounds({'defaults': run([], 'defaults'), lever: run(asked, tag)}, {
-            f'lever {lever}{suffix}': ('defaults', lever, lambda a, b: ratio(b, a, 'img_per_s'),
-                                       f'kit img/s with {" ".join(asked)} / with the defaults{suffix}, N GPUs '
-                                       '(second epoch)')})
-
-
-CALLS = {'per-gpu': Bench.per_gpu, 'scaling': Bench.scaling, 'step': Bench.step, 'val-cache': Bench.val_cache,
-         'parity': Bench.parity, 'cache-speed': Bench.cache_speed, 'lever': Bench.lever,
-         'entry-points': Bench.entry_points, 'per-gpu-det': Bench.per_gpu_det, 'loop-lever': Bench.loop_lever,
-         'ckpt-minutes': Bench.ckpt_minutes, 'ckpt-windows': Bench.ckpt_windows}
+CALLS = {'per-gpu': Bench.per_gpu, 'per-gpu-det': Bench.per_gpu_det, 'scaling': Bench.scaling, 'step': Bench.step,
+         'loop-lever': Bench.loop_lever, 'val-cache': Bench.val_cache, 'parity': Bench.parity,
+         'ckpt-minutes': Bench.ckpt_minutes, 'ckpt-windows': Bench.ckpt_windows, 'entry-points': Bench.entry_points}
 # the options only some calls read, and which: any other call given one refuses it, rather than measure without it
 READ_BY = {'kit_levers': ('per-gpu', 'per-gpu-det', 'parity', 'entry-points', 'ckpt-windows'),
-           'task': ('per-gpu', 'per-gpu-det'),
-           'lever': ('lever', 'loop-lever'),
-           'end_to_end': ('loop-lever',), 'checkpoint_minutes': ('ckpt-minutes',), 'quick': ('entry-points',),
-           'window_s': ('ckpt-windows',), 'writers': ('ckpt-windows',), 'deterministic': ('lever',)}
+           'task': ('per-gpu', 'per-gpu-det'), 'lever': ('loop-lever',), 'checkpoint_minutes': ('ckpt-minutes',),
+           'quick': ('entry-points',), 'window_s': ('ckpt-windows',)}
 # set after that check: None is 'not given'
-OPTION_DEFAULTS = {'lever': 'channels_last=1', 'checkpoint_minutes': 0.1, 'window_s': 60.0, 'task': DEFAULT_TASK}
+OPTION_DEFAULTS = {'checkpoint_minutes': 0.1, 'window_s': 60.0, 'task': DEFAULT_TASK}
 PERIODIC = re.compile(r'--checkpoint-(minutes|steps)\b')
 SKIPPED = re.compile(r'checkpoint at epoch \d+ step \d+ skipped')  # CheckpointWriter's line: a due one not written
 
@@ -641,14 +598,8 @@ def of_script(what: str, task) -> str:
     return what.replace('train_dual.py', task.upstream)
 
 
-def lever_args(lever: str) -> list:
-    """The kit's options for the lever call's --lever: '--levers L' for a lever L, or options as given ('--workers 6':
-    later on the command line than the harness's own, so they win)."""
-    return lever.split() if lever.startswith('--') else ['--levers', lever]
-
-
 def lever_tag(lever: str) -> str:
-    """The lever in its runs' names: 'channels_last=1' -> 'channels_last-1', '--workers 6' -> 'workers-6'."""
+    """The lever in its runs' names: 'channels_last=1' -> 'channels_last-1'."""
     return re.sub(r'[^\w.,]+', '-', lever).strip('-')
 
 
@@ -656,14 +607,6 @@ def kit_levers(lever: str):
     """--kit-levers L: the kit's runs train with --levers L, and the series keys say so (' (--levers L)'), so that
     such a series never stands for a target, which is the defaults'."""
     return (['--levers', lever], f' (--levers {lever})') if lever else ([], '')
-
-
-def levers_of_task(lever: str, task) -> str:
-    """--kit-levers L as the task's entry point takes it: without the detection losses' levers where its loss takes
-    none (cli refuses them there)."""
-    if not lever or task.takes_loss_levers:
-        return lever
-    return ','.join(item for item in lever.split(',') if item.split('=')[0].strip() not in LOSS_LEVERS)
 
 
 def ratio(numerator: dict, denominator: dict, figure: str) -> float:
@@ -686,7 +629,7 @@ def machine(cuda: bool) -> dict:
 
 def cpu_topology(cpu0=Path('/sys/devices/system/cpu/cpu0'), cpuinfo=Path('/proc/cpuinfo')) -> dict:
     """The CPUs as Linux shows them: whether the training thread can share a core (its hyperthread) or the last-level
-    cache with loader workers (issue 23: the loop trails its GPU-only step by its CPU side, at one GPU clock)."""
+    cache with loader workers, whose work can slow the loop's host side."""
     def read(path: Path):
         try:
             return path.read_text().strip()
@@ -702,8 +645,8 @@ def cpu_topology(cpu0=Path('/sys/devices/system/cpu/cpu0'), cpuinfo=Path('/proc/
 
 class GpuSampler:
     """nvidia-smi every 0.2 s: peak memory.used per GPU, and GPU 0's SM clock, power and temperature, so that a run's
-    figures say what the GPU ran at meanwhile (issue 23: a GPU-only step timed over 4 s and an epoch trained for a
-    minute may not run at one clock). command: nvidia-smi's, or a stand-in's that prints such lines (tests)."""
+    figures say what the GPU ran at meanwhile (a GPU-only step timed over 4 s and an epoch trained for a minute may
+    not run at one clock). command: nvidia-smi's, or a stand-in's that prints such lines (tests)."""
     QUERY = 'index,memory.used,clocks.sm,power.draw,temperature.gpu'
     NVIDIA_SMI = ['nvidia-smi', f'--query-gpu={QUERY}', '--format=csv,noheader,nounits', '-lms', '200']
 
@@ -837,9 +780,6 @@ def refuse_unread_options(parser, args):
     for dest, default in OPTION_DEFAULTS.items():
         if getattr(args, dest) is None:
             setattr(args, dest, default)
-    if args.lever.startswith('--') and args.call != 'lever':
-        parser.error(f'--lever {args.lever}: options stand for a lever in the lever call only; {args.call} takes '
-                     'one of the kit\'s --levers')
 
 
 def main():
@@ -852,10 +792,7 @@ def main():
     p.add_argument('--dry-run', action='store_true', help='CPUs and gloo, tiny sizes: proves the harness')
     p.add_argument('--quick', action='store_true',
                    help='entry-points: 64 + 32 images at 160 px, one epoch each: that each trains, not how fast')
-    p.add_argument('--lever', help="the 'lever' and 'loop-lever' calls' --levers (default: channels_last=1); the "
-                   "lever call also takes the kit's options in one argument: --lever '--workers 6'")
-    p.add_argument('--end-to-end', action='store_true', help="loop-lever: the kit with the lever too")
-    p.add_argument('--deterministic', action='store_true', help='lever: both runs with --deterministic')
+    p.add_argument('--lever', help="loop-lever: the GPU-only step with --levers LEVER too (e.g. channels_last=0)")
     p.add_argument('--kit-levers', default='',
                    help="per-gpu, per-gpu-det, parity, entry-points, ckpt-windows (others refuse it): --levers for the "
                         "kit's runs; the series keys name them")
@@ -867,9 +804,6 @@ def main():
                         '(about 14 s; a save at the epoch end restarts the clock, so 0.25 would write none there)')
     p.add_argument('--window-s', type=float, metavar='W',
                    help='ckpt-windows: seconds a window (default 60: a checkpoint a minute in the windows with one)')
-    p.add_argument('--writers', choices=('thread,process',),
-                   help="ckpt-windows: the periodic checkpoints written by the writer's thread and a writer process "
-                        'in turn (bench/ckpt_windows.py)')
     p.add_argument('--dataset', choices=('photo', 'demo'), default='photo',
                    help="photo: bench/photo_data.py's photographs (needs scikit-image); demo: the kit's flat shapes")
     p.add_argument('--work', default='/tmp/yolov9-ddp-bench', help='trees, datasets, runs, logs')

@@ -32,8 +32,8 @@ TASK = TASKS['detect-dual']  # train_dual.py's: val_dual.py validates
 def whole_set_loader(trainer):
     """The validation set in one process's batches, with the loader workers a rank has."""
     dataset, batch = trainer.val_loader.dataset, trainer.batch_size // trainer.world * 2
-    return data.make_loader(dataset, None, trainer.val_loader.num_workers, trainer.levers, trainer.cuda,
-                            LoadImagesAndLabels.collate_fn, batch_sampler=ShardBatchSampler(len(dataset), batch, 0, 1))
+    return data.make_loader(dataset, ShardBatchSampler(len(dataset), batch, 0, 1), trainer.val_loader.num_workers,
+                            trainer.cuda, LoadImagesAndLabels.collate_fn)
 
 
 def rank0_validation(trainer, loader):

@@ -15,14 +15,14 @@ from testsupport.trees import KIT, cache_dir, describe
 from yolov9_ddp.tasks import TASKS
 
 REQUIRED = ['per_gpu_vs_upstream_2gpu', 'scaling_2gpu', 'in_loop_vs_gpu_only', 'gpu_only_vs_upstream_settings',
-            'val_2gpu_vs_rank0', 'parity_map50_95_points', 'ram_cache_2ranks_vs_1rank']  # issue 15's keys
+            'val_2gpu_vs_rank0', 'parity_map50_95_points', 'ram_cache_2ranks_vs_1rank']  # the N-GPU keys, N = 2
 
 
 def series(*ratios) -> dict:
     return results.summarise({'pairs': [{'a': {}, 'b': {}, 'ratio': r} for r in ratios]})
 
 
-def test_the_target_keys_for_2_gpus_are_the_issues_and_follow_the_gpu_count():
+def test_the_target_keys_are_named_for_2_gpus_and_follow_the_gpu_count():
     assert results.target_keys(2) == REQUIRED
     assert 'scaling_4gpu' in results.target_keys(4) and 'ram_cache_4ranks_vs_1rank' in results.target_keys(4)
 
@@ -49,7 +49,7 @@ def test_a_dry_run_never_lands_among_the_gpu_figures():
     assert merged['dry_run']['targets']['scaling_2gpu'] == 0.5 and 'measure nothing' in merged['dry_run']['note']
 
 
-def test_issue_23s_one_gpu_targets_land_beside_issue_15s():
+def test_the_one_gpu_targets_land_beside_the_n_gpu_ones():
     merged = results.merge(call('gpu', deterministic_vs_upstream_1gpu=series(0.9, 1.0, 1.1)), {})
     assert list(merged['targets']) == REQUIRED + list(results.ONE_GPU_TARGETS)
     assert merged['targets']['deterministic_vs_upstream_1gpu'] == 1.0
@@ -88,13 +88,6 @@ def test_per_gpu_of_another_detection_task_compares_its_upstream_script_with_its
     assert merged['targets']['per_gpu_vs_upstream_1gpu'] is None, 'train_dual.py stands for the target alone'
 
 
-def test_entry_points_leave_the_detection_losses_levers_out_of_the_segmentation_entry_points():
-    asked = 'cuda_graphs=1,host_targets=1,dense_box_loss=0'
-    assert run_bench.levers_of_task(asked, TASKS['segment-dual']) == 'cuda_graphs=1', 'cli would refuse them'
-    assert run_bench.levers_of_task('host_targets=1', TASKS['segment']) == ''
-    assert run_bench.levers_of_task(asked, TASKS['detect']) == asked
-
-
 def test_an_option_the_call_does_not_read_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
     def main(*argv):
         monkeypatch.setattr(sys, 'argv', ['run_bench.py', *argv, '--out', str(tmp_path)])
@@ -102,34 +95,20 @@ def test_an_option_the_call_does_not_read_is_refused_in_one_line(monkeypatch, ca
             run_bench.main()
         return stopped.value.code, capsys.readouterr().err.splitlines()[-1]
     assert main('per-gpu', '--lever', 'cuda_graphs=1') == (
-        2, 'run_bench.py: error: --lever: the per-gpu call does not read it (only lever, loop-lever)')
-    assert main('lever', '--checkpoint-minutes', '1')[1].endswith('(only ckpt-minutes)')
+        2, 'run_bench.py: error: --lever: the per-gpu call does not read it (only loop-lever)')
+    assert main('loop-lever', '--checkpoint-minutes', '1')[1].endswith('(only ckpt-minutes)')
     assert main('per-gpu', '--quick')[1].endswith('(only entry-points)')
-    assert 'does not read it' in main('lever', '--kit-levers', 'channels_last=1')[1]
-    assert main('per-gpu-det', '--deterministic')[1].endswith('(only lever)')
-    assert main('ckpt-minutes', '--writers', 'thread,process')[1].endswith('(only ckpt-windows)')
+    assert 'does not read it' in main('loop-lever', '--kit-levers', 'channels_last=1')[1]
     assert main('ckpt-windows', '--task', 'detect')[1].endswith('(only per-gpu, per-gpu-det)')
     assert "invalid choice: 'segment'" in main('per-gpu', '--task', 'segment')[1], 'its photographs have no polygons'
-    assert main('loop-lever', '--lever', '--workers 6')[1].endswith(
-        "options stand for a lever in the lever call only; loop-lever takes one of the kit's --levers")
-    assert run_bench.lever_args('--workers 6') == ['--workers', '6']
-    assert run_bench.lever_args('channels_last=1') == ['--levers', 'channels_last=1']
-    tags = [run_bench.lever_tag(lever) for lever in ('channels_last=1', 'cuda_graphs=0,channels_last=0', '--workers 6')]
-    assert tags == ['channels_last-1', 'cuda_graphs-0,channels_last-0', 'workers-6']
-    given = run_bench.argparse.Namespace(call='lever', kit_levers='', lever=None, end_to_end=False,
-                                         checkpoint_minutes=None, quick=False, window_s=None, writers=None,
-                                         deterministic=False, task=None)
+    assert "invalid choice: 'lever'" in main('lever')[1]
+    tags = [run_bench.lever_tag(lever) for lever in ('channels_last=1', 'cuda_graphs=0,channels_last=0')]
+    assert tags == ['channels_last-1', 'cuda_graphs-0,channels_last-0']
+    given = run_bench.argparse.Namespace(call='loop-lever', kit_levers='', lever=None, checkpoint_minutes=None,
+                                         quick=False, window_s=None, task=None)
     run_bench.refuse_unread_options(None, given)
     assert (given.lever, given.checkpoint_minutes, given.window_s, given.task) == (
-        'channels_last=1', 0.1, 60, 'detect-dual'), 'the defaults'
-
-
-def test_the_step_profile_ranks_the_operators_by_their_own_time():
-    from bench import gpu_step
-    big, small = torch.rand(400, 400), torch.rand(4)
-    profiled = gpu_step.profile_steps(lambda i: (big @ big, small + i), 0, 3, cuda=False)
-    assert profiled['ops'][0][0] == 'aten::mm' and profiled['ops'][0][2] > 0.5, profiled
-    assert profiled['measure'] == 'CPU' and 0 < profiled['busy_ms_per_step'] <= profiled['wall_ms_per_step']
+        None, 0.1, 60, 'detect-dual'), 'the defaults'
 
 
 def test_checkpoint_windows_pair_the_seconds_around_each_checkpoint_with_the_seconds_on_either_side():
@@ -185,37 +164,33 @@ def test_checkpoint_windows_pair_the_seconds_around_each_checkpoint_with_the_sec
 
 
 def test_checkpoint_windows_time_each_checkpoint_until_its_file_is_in_place_whoever_writes_it(tmp_path):
-    """bench/ckpt_windows.py's instruments on real CheckpointWriters: the trainer's own, then a writer's thread and a
-    writer process in turn (--writers thread,process), each checkpoint timed until its file is in place (the eighth
-    session's GPU call with the process timed a checkpoint that failed at once: the instruments had wrapped what the
-    process is given in a function it cannot send)."""
+    """bench/ckpt_windows.py's instruments on real CheckpointWriters, the writer's thread and a writer process: each
+    checkpoint is timed until its file is in place (a process is sent the queued checkpoint itself, which a function
+    wrapped around it could not be: its writes would fail at once and time nothing)."""
     from bench.ckpt_windows import Windows, instrument
     from yolov9_ddp import checkpoint, checkpoint_process
     model, last = torch.nn.Linear(4, 4), tmp_path / 'last.pt'
     callbacks = list(gc.callbacks)
-    writers = [('thread', checkpoint.CheckpointWriter(print)),
-               ('process', checkpoint.CheckpointWriter(print, checkpoint_process.WriterProcess(print)))]
     try:
-        for alternating in (None, writers):
+        for process in (None, checkpoint_process.WriterProcess(print)):
             windows = Windows(window_s=10, pairs=1, every=1, cuda=False)
-            trainer = SimpleNamespace(after_step=None, writer=checkpoint.CheckpointWriter(print))
+            trainer = SimpleNamespace(after_step=None, writer=checkpoint.CheckpointWriter(print, process))
             trainer.save_periodic = lambda where: trainer.writer.submit(lambda: checkpoint.QueuedCheckpoint(
                 {'epoch': where, 'model': model, 'ema': model, 'scaler': {}}), last, 'checkpoint')
-            instrument(trainer, windows, alternating)
-            for epoch in (7, 8, 9):
-                trainer.save_periodic(epoch)
-                trainer.writer.wait()
-                part = windows.parts[-1]
-                assert 0 < part['written_s'] <= part['write_s']
-                assert torch.load(last, weights_only=False)['epoch'] == epoch
-            thread_wrote = [part.get('writer', 'thread') == 'thread' for part in windows.parts]
-            assert thread_wrote == ([True] * 3 if alternating is None else [True, False, True])
-            assert ['completed_s' in part for part in windows.parts] == thread_wrote, \
-                'the writer process completes the copy in the child'
+            instrument(trainer, windows)
+            try:
+                for epoch in (7, 8):
+                    trainer.save_periodic(epoch)
+                    trainer.writer.wait()
+                    part = windows.parts[-1]
+                    assert 0 < part['written_s'] <= part['write_s']
+                    assert torch.load(last, weights_only=False)['epoch'] == epoch
+            finally:
+                trainer.writer.close()
+            assert ['completed_s' in part for part in windows.parts] == [process is None] * 2, \
+                'a writer process completes the copy in the child'
     finally:
         gc.callbacks[:] = callbacks
-        for _, writer in writers:
-            writer.close()
 
 
 def test_the_gpu_sampler_reports_peak_memory_per_gpu_and_gpu_0s_clock_power_and_heat_over_a_span():
