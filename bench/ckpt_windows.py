@@ -15,8 +15,7 @@ window without taken after the window with only came out the faster in every pai
 is its batches over the time from the first to the last of its stamps (the window without: both halves' batches over
 both halves' times), taken every K steps after waiting for the GPU. The run stops after the P-th pair, about
 (2P + 1) W seconds after the Trainer starts. Each pair also says where its checkpoint's cost fell: its seconds on the
-training thread and in the writer's (each also as the thread's CPU seconds, and the writer's until the host copy was
-complete, where the thread completes it), until its file was in place, the img/s between stamps from 5 s before it
+training thread and in the writer's (each also as the thread's CPU seconds), until its file was in place, the img/s between stamps from 5 s before it
 to 20 s after, the training seconds it lost (lost_s: the intervals ending in the LOST_WITHIN_S after it, against the
 same batches at the pace of the window without's half after it), and the seconds of garbage collection in each
 window. A checkpoint of the pairs that was not written (skipped, failed) ends the call in one line: its pair
@@ -42,6 +41,7 @@ import torch  # noqa: E402
 
 from bench.gpu_step import TASK  # noqa: E402
 from yolov9_ddp import cli, comm  # noqa: E402
+from yolov9_ddp.parts import Part  # noqa: E402
 
 LOST_WITHIN_S = 5.0  # a checkpoint's cost falls in the seconds after it (a write takes 1-1.5 s on an H200); each
 # interval counted beyond adds its own noise
@@ -133,23 +133,46 @@ class Windows:
                 for c, part in zip(taken, self.parts)]
 
 
-def instrument(trainer, windows: Windows):
-    """Stamp after every step, note when each periodic checkpoint starts and how long its parts take (on the
-    Trainer and its writer objects only), and time the garbage collections."""
-    after_step, save_periodic = trainer.after_step, trainer.save_periodic
+class Stamps(Part):
+    """A stamp after every step (Windows.stamp), a part of the run's loop."""
 
-    def stamped_after_step(epoch, i, ni, mloss):
-        after_step(epoch, i, ni, mloss)
-        windows.stamp(epoch, i)
+    def __init__(self, windows: Windows):
+        self.windows = windows
 
-    def noted_save_periodic(where):
+    def after_step(self, trainer, epoch: int, step: int):
+        self.windows.stamp(epoch, step - 1)
+
+
+def instrument(checkpoints, windows: Windows):
+    """Note when each periodic checkpoint starts and how long its parts take (the run's Checkpoints: its save() on
+    the training thread, its write() in the writer's thread until the file is in place), and time the garbage
+    collections."""
+    save, write, timing = checkpoints.save, checkpoints.write, []
+
+    def noted_save(make, path, name, then=(), skip_if_busy=False):
+        if not skip_if_busy:  # not a periodic checkpoint: not the windows'
+            return save(make, path, name, then, skip_if_busy)
         part = {}
         started, cpu = windows.clock(), time.thread_time()
         windows.checkpoints.append(started)
-        windows.parts.append(part)  # before the writer's thread starts, which fills in its part
-        save_periodic(where)
+        windows.parts.append(part)
+        timing.append(part)  # before the writer's thread starts, which fills it in
+        saved = save(make, path, name, then, skip_if_busy)
+        if not saved:  # skipped: no write to time (pairs_of says so)
+            timing.remove(part)
         part.update(training_thread_s=round(windows.clock() - started, 3),
                     training_thread_cpu_s=round(time.thread_time() - cpu, 3))
+        return saved
+
+    def timed_write(copy, path, name, then):
+        if not timing:
+            return write(copy, path, name, then)
+        part, started, cpu = timing.pop(), windows.clock(), time.thread_time()
+
+        def written():  # the file is in place
+            part['written_s'] = round(windows.clock() - started, 3)
+        write(copy, path, name, (*then, written))
+        part.update(write_s=round(windows.clock() - started, 3), write_cpu_s=round(time.thread_time() - cpu, 3))
 
     collection = {}
 
@@ -158,31 +181,8 @@ def instrument(trainer, windows: Windows):
             collection['started'] = windows.clock()
         else:
             windows.collections.append((collection['started'], windows.clock() - collection['started']))
-    trainer.after_step, trainer.save_periodic = stamped_after_step, noted_save_periodic
-    time_writes(trainer.writer, windows)
+    checkpoints.save, checkpoints.write = noted_save, timed_write
     gc.callbacks.append(timed_collection)
-
-
-def time_writes(writer, windows: Windows):
-    """Each write of writer timed into the part of the checkpoint it writes (CheckpointWriter.submit starts its
-    thread on writer.write)."""
-    write = writer.write
-
-    def timed_write(make, path, name, then):
-        part, started, cpu = windows.parts[-1], windows.clock(), time.thread_time()
-
-        def timed_make():  # the writer's thread completes the host copy (a writer process does, in the child)
-            made = make()
-            part['completed_s'] = round(windows.clock() - started, 3)
-            return made
-
-        def timed_then():  # the file is in place
-            part['written_s'] = round(windows.clock() - started, 3)
-            if then is not None:
-                then()
-        write(make if writer.process is not None else timed_make, path, name, timed_then)
-        part.update(write_s=round(windows.clock() - started, 3), write_cpu_s=round(time.thread_time() - cpu, 3))
-    writer.write = timed_write
 
 
 def windows_of_run(trainer, windows: Windows) -> list:
@@ -210,11 +210,11 @@ def main():
         raise SystemExit('ckpt_windows.py: one process (periodic checkpoints are rank 0\'s; the windows are its)')
     cli.check_options(opt, 1, TASK)
     device = comm.select_device(opt.device)
-    from yolov9_ddp.trainer import plan_start, prepare_trainer
+    from yolov9_ddp.build import plan_start, prepare
     with comm.process_group(device):
-        trainer = prepare_trainer(TASK, opt, device, plan_start(opt))
         windows = Windows(args.window_s, args.pairs, args.stamp_every, device.type == 'cuda')
-        instrument(trainer, windows)
+        trainer = prepare(TASK, opt, device, plan_start(opt), extra_parts=[Stamps(windows)])
+        instrument(trainer.checkpoints, windows)
         try:
             pairs = windows_of_run(trainer, windows)
         except (TooShort, NotWritten) as e:

@@ -68,8 +68,8 @@ def time_steps(step, warmup: int, steps: int, cuda: bool) -> dict:
 def kit_trainer(opt, device):
     """(the kit's Trainer in training mode, this rank's share of a fixed batch on the device, its targets as the
     loss takes them: Trainer.loss_targets)."""
-    from yolov9_ddp.trainer import plan_start, prepare_trainer
-    trainer = prepare_trainer(TASK, opt, device, plan_start(opt))
+    from yolov9_ddp.build import plan_start, prepare
+    trainer = prepare(TASK, opt, device, plan_start(opt))
     per_rank = trainer.batch_size // trainer.world
     images, targets = fixed_batch(trainer.dataset, trainer.rank * per_rank, per_rank, opt.seed)
     pin = trainer.cuda  # as the kit's loader hands its batches over: page-locked, copied without a wait

@@ -24,7 +24,7 @@ from utils.dataloaders import LoadImagesAndLabels  # noqa: E402
 from yolov9_ddp import cli, comm, data  # noqa: E402
 from yolov9_ddp.samplers import ShardBatchSampler  # noqa: E402
 from yolov9_ddp.tasks import TASKS  # noqa: E402
-from yolov9_ddp.trainer import plan_start, prepare_trainer  # noqa: E402
+from yolov9_ddp.build import plan_start, prepare  # noqa: E402
 
 TASK = TASKS['detect-dual']  # train_dual.py's: val_dual.py validates
 
@@ -72,7 +72,7 @@ def main():
     cli.check_options(opt, comm.launched_world_size(), TASK)
     device = comm.select_device(opt.device)
     with comm.process_group(device):
-        trainer = prepare_trainer(TASK, opt, device, plan_start(opt))
+        trainer = prepare(TASK, opt, device, plan_start(opt))
         loader = whole_set_loader(trainer)
         ways = {'rank0': lambda: rank0_validation(trainer, loader),
                 'distributed': lambda: distributed_validation(trainer)}

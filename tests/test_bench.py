@@ -163,34 +163,30 @@ def test_checkpoint_windows_pair_the_seconds_around_each_checkpoint_with_the_sec
     assert pair['with']['img_per_s'] / after_only['img_per_s'] < 0.97, 'the drift this pairing cancels'
 
 
-def test_checkpoint_windows_time_each_checkpoint_until_its_file_is_in_place_whoever_writes_it(tmp_path):
-    """bench/ckpt_windows.py's instruments on real CheckpointWriters, the writer's thread and a writer process: each
-    checkpoint is timed until its file is in place (a process is sent the queued checkpoint itself, which a function
-    wrapped around it could not be: its writes would fail at once and time nothing)."""
+def test_checkpoint_windows_time_each_checkpoint_until_its_file_is_in_place(tmp_path):
+    """bench/ckpt_windows.py's instruments on a real Checkpoints with its writer process: each periodic checkpoint is
+    timed until its file is in place; an epoch's is none of the windows'."""
     from bench.ckpt_windows import Windows, instrument
-    from yolov9_ddp import checkpoint, checkpoint_process
+    from yolov9_ddp.checkpoints import Checkpoints
+    from yolov9_ddp.writer import WriterProcess
     model, last = torch.nn.Linear(4, 4), tmp_path / 'last.pt'
     callbacks = list(gc.callbacks)
+    checkpoints = Checkpoints(print, WriterProcess(print))
     try:
-        for process in (None, checkpoint_process.WriterProcess(print)):
-            windows = Windows(window_s=10, pairs=1, every=1, cuda=False)
-            trainer = SimpleNamespace(after_step=None, writer=checkpoint.CheckpointWriter(print, process))
-            trainer.save_periodic = lambda where: trainer.writer.submit(lambda: checkpoint.QueuedCheckpoint(
-                {'epoch': where, 'model': model, 'ema': model, 'scaler': {}}), last, 'checkpoint')
-            instrument(trainer, windows)
-            try:
-                for epoch in (7, 8):
-                    trainer.save_periodic(epoch)
-                    trainer.writer.wait()
-                    part = windows.parts[-1]
-                    assert 0 < part['written_s'] <= part['write_s']
-                    assert torch.load(last, weights_only=False)['epoch'] == epoch
-            finally:
-                trainer.writer.close()
-            assert ['completed_s' in part for part in windows.parts] == [process is None] * 2, \
-                'a writer process completes the copy in the child'
+        windows = Windows(window_s=10, pairs=1, every=1, cuda=False)
+        instrument(checkpoints, windows)
+        for epoch in (7, 8):
+            checkpoints.save(lambda: {'epoch': epoch, 'model': model, 'ema': model, 'scaler': {}}, last,
+                             'checkpoint', skip_if_busy=True)
+            checkpoints.wait()
+            part = windows.parts[-1]
+            assert 0 < part['written_s'] <= part['write_s'] and part['training_thread_s'] > 0
+            assert torch.load(last, weights_only=False)['epoch'] == epoch
+        checkpoints.save(lambda: {'epoch': 9, 'model': model, 'ema': model, 'scaler': {}}, last, 'epoch end')
     finally:
+        checkpoints.close()
         gc.callbacks[:] = callbacks
+    assert len(windows.parts) == len(windows.checkpoints) == 2, 'the epoch\'s checkpoint is none of the windows\''
 
 
 def test_the_gpu_sampler_reports_peak_memory_per_gpu_and_gpu_0s_clock_power_and_heat_over_a_span():

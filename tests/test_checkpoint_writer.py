@@ -1,24 +1,22 @@
-"""Periodic checkpoints (issue 21, point 3): rank 0 queues a host copy of the training state between two steps and a
-CheckpointWriter completes and writes it off the training thread (yolov9_ddp.checkpoint). Unit tests, no training:
+"""Checkpoints written off the training thread (yolov9_ddp.checkpoints, hostcopy.py, writer.py): rank 0 queues a host
+copy of the training state between two steps and the writer completes and writes it. Unit tests, no training:
 
   - the copy is the state when it was queued, lives in host memory and shares nothing with the state the training
     thread goes on changing (modules, optimizer state, nested containers)
   - the training thread copies the tensors of each dtype with one call; each copy keeps its tensor's memory layout
-    and owns its storage; a module's empty OrderedDicts pickle without copyreg's slot-name lookup, here and in the
-    writer's torch.save
+    and owns its storage; a module's empty OrderedDicts pickle without copyreg's slot-name lookup
   - the training thread's half reads nothing back from the device: the ranks' own statistics and the grad scaler's
     state go into the queued copy as copies on their device, and the file holds their values when it was queued
-  - one write at a time: a write still running makes the next one skipped (its copy not even queued), with one
-    line, and submit() returns at once; wait() ends the write under way
+  - one write at a time: a periodic checkpoint due while a write runs is skipped (not even queued), with one line,
+    and save() returns at once; any other save waits for the write under way; what comes after a write runs once
+    the file is in place
   - the replaced last.pt stays as last.previous.pt
   - a write that fails says so in one line and leaves the checkpoints before it intact; the next write works
   - a write under way when the process exits completes
-  - while a write runs, the interpreter's lock changes hands every 0.05 ms (Python's default 5 ms), then as before
-  - the lever checkpoint_process: a child process writes the file the thread would; its error or its end costs that
-    checkpoint only, in one line, and a new child writes the next; it dies with the process that started it,
-    even mid-write, and not on a SIGINT or SIGTERM; started ahead of the first checkpoint, it ends at close()
-    though forked workers hold its pipe; where none can start, or two in a row end while writing, the thread
-    writes the checkpoints, after one line
+  - the writer process writes the file the thread would; its error or its end costs that checkpoint only, in one
+    line, and a new child writes the next; it dies with the process that forked it, even mid-write, and not on a
+    SIGINT or SIGTERM; forked ahead of the first checkpoint, it ends at close() though forked workers hold its pipe;
+    where none can start, or two in a row end while writing, the thread writes the checkpoints, after one line
 """
 import copyreg
 import multiprocessing
@@ -41,9 +39,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from testsupport.trees import KIT
-from yolov9_ddp import checkpoint, checkpoint_process, position
-from yolov9_ddp.checkpoint import CheckpointWriter, QueuedHostCopy, previous_path
+from yolov9_ddp import checkpoints, files, state as run_state, writer as writer_process
+from yolov9_ddp.checkpoints import Checkpoints, QueuedCheckpoint
 from yolov9_ddp.ema import norm_statistics
+from yolov9_ddp.files import previous_path
+from yolov9_ddp.hostcopy import QueuedHostCopy, scaler_numbers, scaler_state
 
 pytestmark = pytest.mark.timeout(60)
 SKIPPED = re.compile(r'^checkpoint at step 20 skipped: the previous write \(\d+\.\d s so far\) is still running$')
@@ -103,17 +103,14 @@ def test_a_host_copy_keeps_the_modules_and_their_parameters():
 
 
 def test_a_checkpoints_empty_ordered_dicts_take_no_slot_name_lookup_and_read_back_the_same(tmp_path, monkeypatch):
-    """pickling.Pickler: each module's empty OrderedDicts (its hooks) are pickled as OrderedDict(), not through
-    copyreg._slotnames, in the training thread's half of a checkpoint and in its torch.save alike."""
+    """hostcopy.TensorsAside: each module's empty OrderedDicts (its hooks) are pickled as OrderedDict(), not through
+    copyreg._slotnames, in the training thread's half of a checkpoint."""
     state, _ = training_state()
-
-    def write():
-        checkpoint.save_atomic(QueuedHostCopy(state).result(), tmp_path / 'last.pt')
-    write()  # each class's slot names looked up once, then cached on the class
     looked_up, lookup = [], copyreg._slotnames
     monkeypatch.setattr(copyreg, '_slotnames', lambda cls: looked_up.append(cls.__name__) or lookup(cls))
-    write()
+    copy = QueuedHostCopy(state)
     assert looked_up == []
+    checkpoints.save_file(copy.result(), tmp_path / 'last.pt')
     loaded = torch.load(tmp_path / 'last.pt', weights_only=False)
     for mine, theirs in zip(loaded['model'].modules(), state['model'].modules()):
         assert {name: type(value) for name, value in vars(mine).items()} == {
@@ -173,14 +170,14 @@ class ReadsBack(TorchFunctionMode):
 
 def test_the_training_threads_half_of_a_checkpoint_reads_nothing_back_and_the_file_holds_what_it_did():
     """The rank's own statistics and the grad scaler's state go into the queued copy as copies on their device
-    (position.rank_state, checkpoint.scaler_state): read with .cpu() and .item(), each was a wait for the GPU."""
+    (state.rank_state, hostcopy.scaler_state): read with .cpu() and .item(), each was a wait for the GPU."""
     state, _ = training_state()
     model, ema, mean_loss = state['model'], state['ema'], torch.tensor([1.5, 2.5, 0.5])
     scaler = torch.amp.GradScaler('cpu', init_scale=1024.0, growth_interval=3)
     scaler.scale(mean_loss.sum())  # the first scaled loss makes the scale and growth tracker tensors
     with ReadsBack() as reads:
-        ranks = [position.rank_state(model, ema, mean_loss)]
-        queued = QueuedHostCopy({'scaler': checkpoint.scaler_state(scaler), 'ranks': ranks})
+        ranks = [run_state.rank_state(model, ema, mean_loss)]
+        queued = QueuedHostCopy({'scaler': scaler_state(scaler), 'ranks': ranks})
     assert reads.calls == []
     expected = {'norm': [t.clone() for t in norm_statistics(model)],
                 'ema_norm': [t.clone() for t in norm_statistics(ema)], 'mean_loss': mean_loss.clone()}
@@ -189,117 +186,105 @@ def test_the_training_threads_half_of_a_checkpoint_reads_nothing_back_and_the_fi
             t.add_(1)
     scaler._scale.mul_(2)
     written = queued.result()
-    assert checkpoint.scaler_numbers(written['scaler']) == {
+    assert scaler_numbers(written['scaler']) == {
         'scale': 1024.0, 'growth_factor': 2.0, 'backoff_factor': 0.5, 'growth_interval': 3, '_growth_tracker': 0}
     scaler._scale.div_(2)
-    assert checkpoint.scaler_numbers(written['scaler']) == scaler.state_dict()
-    for mine in (written['ranks'][0], position.in_host_memory(ranks[0])):
+    assert scaler_numbers(written['scaler']) == scaler.state_dict()
+    for mine in (written['ranks'][0], run_state.in_host_memory(ranks[0])):
         assert list(mine) == list(expected) and len(mine['norm']) == len(mine['ema_norm']) == 2
         assert all(torch.equal(a, b) for key in ('norm', 'ema_norm') for a, b in zip(mine[key], expected[key]))
         assert torch.equal(mine['mean_loss'], expected['mean_loss'])
-    disabled = torch.amp.GradScaler('cpu', enabled=False)
-    assert checkpoint.scaler_state(disabled) == disabled.state_dict() == {}
 
 
 # -- the writer --------------------------------------------------------------------------------------------------------
 
 def state_of(epoch: int):
-    """What submit() takes: the training thread's half of a checkpoint, which returns the writer's."""
-    return lambda: lambda: {'epoch': epoch}
+    """What save() takes: a function that gives the checkpoint, as a trainer's holds it."""
+    model = nn.Linear(2, 2)
+    return lambda: {'epoch': epoch, 'model': model, 'ema': model, 'scaler': {}}
 
 
 def epoch_of(path) -> int:
     return torch.load(path, weights_only=False)['epoch']
 
 
-def test_the_checkpoint_it_replaces_stays_as_last_previous(tmp_path):
-    last, lines = tmp_path / 'last.pt', []
-    with CheckpointWriter(lines.append) as writer:
-        assert writer.submit(state_of(1), last, 'checkpoint at step 10')
-        writer.wait()
-        assert writer.submit(state_of(2), last, 'checkpoint at step 20')
-    assert not writer.running
+def test_the_checkpoint_it_replaces_stays_as_last_previous_and_what_comes_after_runs_once_it_is_in_place(tmp_path):
+    last, lines, then = tmp_path / 'last.pt', [], []
+    writer = Checkpoints(lines.append)
+    assert writer.save(state_of(1), last, 'checkpoint at step 10')
+    assert writer.save(state_of(2), last, 'checkpoint at step 20', then=[lambda: then.append(epoch_of(last))])
+    writer.close()  # the first write ended before the second began
+    assert not writer.busy and then == [2]
     assert (epoch_of(last), epoch_of(previous_path(last))) == (2, 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ['last.previous.pt', 'last.pt'] and lines == []
 
 
-def test_the_interpreters_lock_changes_hands_often_while_a_write_runs_and_as_before_after(tmp_path, monkeypatch):
-    intervals, real_save, before = [], torch.save, sys.getswitchinterval()
-    monkeypatch.setattr(checkpoint.torch, 'save', lambda obj, f, **kw: (intervals.append(sys.getswitchinterval()),
-                                                                        real_save(obj, f, **kw)))
-    with CheckpointWriter(print) as writer:
-        assert writer.submit(state_of(1), tmp_path / 'last.pt', 'checkpoint at step 10')
-    assert intervals == [pytest.approx(checkpoint.WRITING_SWITCH_INTERVAL_S)] and intervals[0] < before
-    assert sys.getswitchinterval() == before
+class SlowDisk:
+    """A checkpoint file writer that blocks until released; it records how many writes ever ran at once."""
+
+    def __init__(self):
+        self.release, self.lock, self.running, self.most_at_once = threading.Event(), threading.Lock(), 0, 0
+
+    def __call__(self, obj, path, keep_previous=False):
+        with self.lock:
+            self.running += 1
+            self.most_at_once = max(self.most_at_once, self.running)
+        self.release.wait(30)
+        checkpoints.save_file(obj, path, keep_previous)
+        with self.lock:
+            self.running -= 1
 
 
-@pytest.fixture
-def slow_disk(monkeypatch):
-    """torch.save blocks until the test sets the returned Event; it records how many saves ever ran at once."""
-    release, lock, running, most = threading.Event(), threading.Lock(), [0], [0]
-    real_save = torch.save
-
-    def blocking_save(obj, f, **kw):
-        with lock:
-            running[0] += 1
-            most[0] = max(most[0], running[0])
-        release.wait(30)
-        real_save(obj, f, **kw)
-        with lock:
-            running[0] -= 1
-
-    monkeypatch.setattr(checkpoint.torch, 'save', blocking_save)
-    release.most_at_once = most
-    return release
-
-
-def test_a_write_still_running_makes_the_next_one_skipped_with_one_line(tmp_path, slow_disk):
-    last, lines = tmp_path / 'last.pt', []
-    writer = CheckpointWriter(lines.append)
-    assert writer.submit(state_of(1), last, 'checkpoint at step 10')  # returns while the write blocks
-    assert not writer.submit(lambda: pytest.fail('a skipped checkpoint was queued'), last, 'checkpoint at step 20')
+def test_a_periodic_checkpoint_due_while_a_write_runs_is_skipped_with_one_line_and_any_other_waits(tmp_path):
+    last, lines, disk = tmp_path / 'last.pt', [], SlowDisk()
+    writer = Checkpoints(lines.append, save=disk)
+    assert writer.save(state_of(1), last, 'checkpoint at step 10')  # returns while the write blocks
+    assert not writer.save(lambda: pytest.fail('a skipped checkpoint was queued'), last, 'checkpoint at step 20',
+                           skip_if_busy=True)
     assert len(lines) == 1 and SKIPPED.match(lines[0]), lines
-    assert writer.running and not last.exists()
-    slow_disk.set()
-    writer.wait()
-    assert epoch_of(last) == 1 and not writer.running
-    assert writer.submit(state_of(3), last, 'checkpoint at step 30')
+    assert writer.busy and not last.exists()
+    threading.Timer(0.5, disk.release.set).start()
+    assert writer.save(state_of(3), last, 'checkpoint of epoch 2')  # an epoch's: after the write under way
+    assert epoch_of(last) == 1
     writer.close()
     assert (epoch_of(last), epoch_of(previous_path(last))) == (3, 1)
-    assert slow_disk.most_at_once == [1] and len(lines) == 1
+    assert disk.most_at_once == 1 and len(lines) == 1
 
 
-def test_a_failing_write_says_so_in_one_line_and_keeps_the_checkpoints_before_it(tmp_path, monkeypatch):
-    last, lines = tmp_path / 'last.pt', []
-    writer = CheckpointWriter(lines.append)
-    for epoch in (1, 2):
-        writer.submit(state_of(epoch), last, f'checkpoint at step {epoch}0')
-        writer.wait()
-
-    def disk_full(obj, f, **kw):
+def disk_full(obj, path, keep_previous=False):
+    def partial(f):
         f.write(b'PK\x03\x04 partial')
         raise OSError(28, 'No space left on device')
+    files.atomic_write(path, partial, keep_previous)
 
-    monkeypatch.setattr(checkpoint.torch, 'save', disk_full)
-    assert writer.submit(state_of(3), last, 'checkpoint at step 30')
+
+def test_a_failing_write_says_so_in_one_line_and_keeps_the_checkpoints_before_it(tmp_path):
+    last, lines = tmp_path / 'last.pt', []
+    writer = Checkpoints(lines.append)
+    for epoch in (1, 2):
+        writer.save(state_of(epoch), last, f'checkpoint at step {epoch}0')
+    writer.save_file = disk_full
+    assert writer.save(state_of(3), last, 'checkpoint at step 30', then=[lambda: pytest.fail('ran after a failure')])
     writer.wait()
     assert lines == [f'WARNING: checkpoint at step 30 could not be written to {last} (OSError: [Errno 28] No space '
                      f'left on device); training goes on, and a resume takes the checkpoint before it']
     assert (epoch_of(last), epoch_of(previous_path(last))) == (2, 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ['last.previous.pt', 'last.pt']  # no temporary file left
-    monkeypatch.undo()
-    assert writer.submit(state_of(4), last, 'checkpoint at step 40')  # the writer goes on working
+    writer.save_file = checkpoints.save_file
+    assert writer.save(state_of(4), last, 'checkpoint at step 40')  # the writer goes on working
     writer.close()
     assert (epoch_of(last), epoch_of(previous_path(last))) == (4, 2)
 
 
 EXITS_WHILE_WRITING = '''
 import sys, time, torch
-from yolov9_ddp import checkpoint
-real_save = torch.save
-checkpoint.torch.save = lambda obj, f, **kw: (time.sleep(0.5), real_save(obj, f, **kw))
-writer = checkpoint.CheckpointWriter(print)
-writer.submit(lambda: lambda: {'epoch': 5}, sys.argv[1], 'checkpoint at step 50')
+from yolov9_ddp import checkpoints
+def slow(obj, path, keep_previous=False):
+    time.sleep(0.5)
+    checkpoints.save_file(obj, path, keep_previous)
+writer = checkpoints.Checkpoints(print, save=slow)
+model = torch.nn.Linear(2, 2)
+writer.save(lambda: {'epoch': 5, 'model': model, 'ema': model, 'scaler': {}}, sys.argv[1], 'checkpoint at step 50')
 sys.exit(1)  # a failing rank: no wait(), no close()
 '''
 
@@ -313,14 +298,14 @@ def test_a_write_under_way_when_the_process_exits_completes(tmp_path):
 
 
 def checkpoint_state() -> dict:
-    """training_state() as a trainer's checkpoint holds it (checkpoint.QueuedCheckpoint): channels-last models and
+    """training_state() as a trainer's checkpoint holds it (checkpoints.QueuedCheckpoint): channels-last models and
     the grad scaler's state."""
     state, _ = training_state()
     for key in ('model', 'ema'):
         state[key].to(memory_format=torch.channels_last)
     scaler = torch.amp.GradScaler('cpu', init_scale=1024.0)
     scaler._lazy_init_scale_growth_tracker(torch.device('cpu'))
-    return {**state, 'scaler': checkpoint.scaler_state(scaler)}
+    return {**state, 'scaler': scaler_state(scaler)}
 
 
 def same_checkpoint(a: dict, b: dict) -> bool:
@@ -340,88 +325,87 @@ def same_checkpoint(a: dict, b: dict) -> bool:
     return same(a, b)
 
 
-def child_killed_then(writer: CheckpointWriter, state: dict):
-    """A queue() for writer.submit() that first SIGKILLs the writer's child, which then cannot write what it queues."""
-    def queue():
+def with_process(lines: list) -> Checkpoints:
+    writer = Checkpoints(lines.append, writer_process.WriterProcess(lines.append))
+    writer.start_process()
+    return writer
+
+
+def child_killed_then(writer: Checkpoints, state: dict):
+    """A make() for writer.save() that first SIGKILLs the writer's child, which then cannot write what it gets."""
+    def make():
         writer.process.child.kill()
-        writer.process.child.wait()
-        return checkpoint.QueuedCheckpoint(state)
-    return queue
+        writer.process.child.join()
+        return state
+    return make
 
 
 def test_the_writer_process_writes_the_file_the_thread_would_and_says_so_in_one_line_where_it_fails_or_ends(
         tmp_path):
-    """The lever checkpoint_process: the child writes what the writer's thread writes (upstream's format: the scaler's
-    numbers, the models contiguous); its error, or its end, costs that checkpoint only, in one line; a new child
-    writes the next."""
+    """The child writes what the writer's thread writes (upstream's format: the scaler's numbers, the models
+    contiguous); its error, or its end, costs that checkpoint only, in one line; a new child writes the next."""
     state, lines = checkpoint_state(), []
     last = tmp_path / 'last.pt'
-    writer = CheckpointWriter(lines.append, checkpoint_process.WriterProcess(lines.append))
-    assert writer.submit(lambda: checkpoint.QueuedCheckpoint(state), last, 'checkpoint at step 10')
+    writer = with_process(lines)
+    assert writer.save(lambda: state, last, 'checkpoint at step 10')
     writer.wait()
-    checkpoint.save_atomic(checkpoint.QueuedCheckpoint(state)(), tmp_path / 'thread.pt')
+    checkpoints.save_file(QueuedCheckpoint(state)(), tmp_path / 'thread.pt')
     written = torch.load(last, weights_only=False)
     assert same_checkpoint(written, torch.load(tmp_path / 'thread.pt', weights_only=False)) and lines == []
     assert written['scaler']['scale'] == 1024.0 and written['model'][0].weight.is_contiguous()
 
     missing = tmp_path / 'missing' / 'last.pt'
-    assert writer.submit(lambda: checkpoint.QueuedCheckpoint(state), missing, 'checkpoint at step 20')
+    assert writer.save(lambda: state, missing, 'checkpoint at step 20')
     writer.wait()
     assert len(lines) == 1 and lines.pop().startswith(
         f'WARNING: checkpoint at step 20 could not be written to {missing} (FileNotFoundError: [Errno 2]')
 
-    assert writer.submit(child_killed_then(writer, {**state, 'epoch': 4}), last, 'checkpoint at step 30')
+    assert writer.save(child_killed_then(writer, {**state, 'epoch': 4}), last, 'checkpoint at step 30')
     writer.wait()
     assert lines == [f'WARNING: checkpoint at step 30 could not be written to {last} (WriterProcessEnded: the '
                      'checkpoint writer process ended (SIGKILL)); training goes on, and a resume takes the checkpoint '
                      'before it']
-    assert writer.submit(lambda: checkpoint.QueuedCheckpoint({**state, 'epoch': 5}), last, 'checkpoint at step 40')
+    assert writer.save(lambda: {**state, 'epoch': 5}, last, 'checkpoint at step 40')
     writer.close()
     assert lines[1:] == ['the checkpoint writer process had ended (SIGKILL): starting another']
     assert (epoch_of(last), epoch_of(previous_path(last))) == (5, 3)
-    assert writer.process.child.returncode == 0, 'close() ends the child: its last message'
+    assert writer.process.child.exitcode == 0, 'close() ends the child: its last message'
 
 
-def test_the_writer_process_started_ahead_ends_at_close_though_a_forked_worker_holds_its_pipe(tmp_path,
-                                                                                              monkeypatch):
-    """The trainer starts the child as it sets up, before the loader forks its workers, which then hold copies of
-    the pipe's ends: close() must still end the child at once (it did after 30 s, killing it), having written what
-    it was given. The child imports the model's modules as it starts, not at the first checkpoint. And a child ended
-    by a signal without a name is still said in one line."""
+def test_the_writer_process_forked_ahead_ends_at_close_though_a_forked_worker_holds_its_pipe(tmp_path):
+    """The trainer forks the child as it sets up, before the loader forks its workers, which then hold copies of the
+    pipe's ends: close() must still end the child at once, having written what it was given. And a child ended by a
+    signal without a name is still said in one line."""
     last, lines = tmp_path / 'last.pt', []
-    (tmp_path / 'model_classes.py').write_text("import pathlib\npathlib.Path(__file__).with_suffix('.imported').touch()\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    writer = CheckpointWriter(lines.append, checkpoint_process.WriterProcess(lines.append, preload=['model_classes']))
-    writer.start_process()
-    child = writer.process.child
-    imported, deadline = tmp_path / 'model_classes.imported', time.monotonic() + 30
-    while not imported.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert imported.exists(), 'the child imported the model classes\' module before any checkpoint'
+    writer = with_process(lines)
+    child, deadline = writer.process.child, time.monotonic() + 10
+    while Path(f'/proc/{child.pid}/comm').read_bytes().strip() != writer_process.NAME and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert Path(f'/proc/{child.pid}/comm').read_bytes().strip() == writer_process.NAME, 'what ps shows of it'
     worker = multiprocessing.get_context('fork').Process(target=time.sleep, args=(60,))
     worker.start()
     try:
-        assert writer.submit(lambda: checkpoint.QueuedCheckpoint(checkpoint_state()), last, 'checkpoint at step 10')
+        assert writer.save(checkpoint_state, last, 'checkpoint at step 10')
         started = time.monotonic()
         writer.close()
-        assert time.monotonic() - started < 10 and child.returncode == 0 and lines == []
-        assert (writer.process.child is child) and epoch_of(last) == 3, 'one child, started ahead, wrote the file'
+        assert time.monotonic() - started < 10 and child.exitcode == 0 and lines == []
+        assert (writer.process.child is child) and epoch_of(last) == 3, 'one child, forked ahead, wrote the file'
     finally:
         worker.kill()
-    assert checkpoint_process.ending(-(signal.SIGRTMIN + 1)) == f'signal {signal.SIGRTMIN + 1}'
+    assert writer_process.ending(-(signal.SIGRTMIN + 1)) == f'signal {signal.SIGRTMIN + 1}'
 
 
 def test_the_writers_thread_takes_over_where_no_writer_process_starts_or_two_in_a_row_end_while_writing(
         tmp_path, monkeypatch):
-    """Whatever keeps the lever's child from writing (an interpreter that does not start, children killed mid-write,
-    say by a memory limit) must not cost every checkpoint. The thread writes them, after one line."""
+    """Whatever keeps the child from writing (no fork, say for want of memory; children killed mid-write, say by a
+    memory limit) must not cost every checkpoint. The thread writes them, after one line."""
     state, lines = checkpoint_state(), []
     last = tmp_path / 'last.pt'
-    writer = CheckpointWriter(lines.append, checkpoint_process.WriterProcess(lines.append))
+    writer = with_process(lines)
     for step in (10, 20):
-        assert writer.submit(child_killed_then(writer, state), last, f'checkpoint at step {step}')
+        assert writer.save(child_killed_then(writer, state), last, f'checkpoint at step {step}')
         writer.wait()
-    assert writer.submit(lambda: checkpoint.QueuedCheckpoint({**state, 'epoch': 5}), last, 'checkpoint at step 30')
+    assert writer.save(lambda: {**state, 'epoch': 5}, last, 'checkpoint at step 30')
     writer.close()
     assert [line.split(' (')[0] for line in lines[:3]] == [
         f'WARNING: checkpoint at step 10 could not be written to {last}',
@@ -431,35 +415,36 @@ def test_the_writers_thread_takes_over_where_no_writer_process_starts_or_two_in_
                          "the writer's thread writes the checkpoints from now on"]
     assert writer.process is None and epoch_of(last) == 5, 'the thread wrote the third'
 
-    monkeypatch.setattr(sys, 'executable', str(tmp_path / 'no-python'))
+    def no_fork(self):
+        raise BlockingIOError(11, 'Resource temporarily unavailable')
+    monkeypatch.setattr(writer_process.WriterProcess, 'start', no_fork)
     lines.clear()
-    writer = CheckpointWriter(lines.append, checkpoint_process.WriterProcess(lines.append))
-    writer.start_process()
-    assert writer.submit(lambda: checkpoint.QueuedCheckpoint({**state, 'epoch': 6}), last, 'checkpoint at step 40')
+    writer = with_process(lines)
+    assert writer.save(lambda: {**state, 'epoch': 6}, last, 'checkpoint at step 40')
     writer.close()
-    assert len(lines) == 1 and lines[0].startswith('WARNING: the checkpoint writer process could not start '
-                                                   '(FileNotFoundError: ') and lines[0].endswith(
-        "the writer's thread writes the checkpoints")
+    assert lines == ['WARNING: the checkpoint writer process could not start (BlockingIOError: [Errno 11] Resource '
+                     "temporarily unavailable); the writer's thread writes the checkpoints"]
     assert writer.process is None and epoch_of(last) == 6
 
 
 KILLED_WHILE_ITS_CHILD_WRITES = '''
 import os, signal, sys, torch
-from yolov9_ddp import checkpoint, checkpoint_process
-writer = checkpoint.CheckpointWriter(print, checkpoint_process.WriterProcess(print))
+from yolov9_ddp import checkpoints, writer
+checkpoints_ = checkpoints.Checkpoints(print, writer.WriterProcess(print))
+checkpoints_.start_process()
 model = torch.nn.Linear(200, 200)  # 160 kB: more than a pipe holds
-def queue():
-    return checkpoint.QueuedCheckpoint({'epoch': 1, 'model': model, 'ema': model, 'scaler': {}})
-writer.submit(queue, sys.argv[1], 'checkpoint at step 10')
-writer.wait()
-print(writer.process.child.pid, flush=True)
+def make():
+    return {'epoch': 1, 'model': model, 'ema': model, 'scaler': {}}
+checkpoints_.save(make, sys.argv[1], 'checkpoint at step 10')
+checkpoints_.wait()
+print(checkpoints_.process.child.pid, flush=True)
 sys.stdin.readline()  # the test has made the child's next temporary file a pipe it holds
-writer.submit(queue, sys.argv[1], 'checkpoint at step 20')
-writer.wait()  # until the test kills this process
+checkpoints_.save(make, sys.argv[1], 'checkpoint at step 20')
+checkpoints_.wait()  # until the test kills this process
 '''
 
 
-def test_the_writer_process_dies_with_the_process_that_started_it_even_mid_write(tmp_path):
+def test_the_writer_process_dies_with_the_process_that_forked_it_even_mid_write(tmp_path):
     """A rank SIGKILLed while its writer process writes: the writer must not outlive it, to put a file in place after
     the restart has read the one before. The test holds the child's write open (its temporary file a named pipe).
     A SIGINT (Ctrl-C) or SIGTERM (Slurm signals every process of a job) does not end it: its rank decides."""
@@ -468,7 +453,7 @@ def test_the_writer_process_dies_with_the_process_that_started_it_even_mid_write
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         child = int(script.stdout.readline())
-        fifo = checkpoint.temporary_path(last).with_name(f'.last.pt.{child}.tmp')
+        fifo = files.temporary_path(last).with_name(f'.last.pt.{child}.tmp')
         os.mkfifo(fifo)
         reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
         script.stdin.write('go\n')
@@ -480,7 +465,7 @@ def test_the_writer_process_dies_with_the_process_that_started_it_even_mid_write
         assert alive(child), 'the writer process ended on SIGINT or SIGTERM'
         script.kill()  # with the child blocked in its write: the pipe is full, and nobody reads
         script.wait(30)
-        assert gone_within(child, 10), 'the writer process outlived the process that started it'
+        assert gone_within(child, 10), 'the writer process outlived the process that forked it'
         os.close(reader)
     finally:
         script.kill()

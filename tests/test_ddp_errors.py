@@ -18,6 +18,7 @@ import torch
 from testsupport import zygote
 from testsupport.faults import ERROR_LINE, FAULTY
 from testsupport.jobs import free_port, job_env, run, torchrun_cmd, train_args
+from testsupport.injected import Fault, to_env
 from yolov9_ddp import cli, comm
 from yolov9_ddp.tasks import TASKS
 
@@ -45,7 +46,7 @@ class Launch:
         return '\n'.join(text)
 
 
-def launch(tree, nproc, args, folder: Path, script='ddp_train_dual.py', fault='') -> Launch:
+def launch(tree, nproc, args, folder: Path, script='ddp_train_dual.py', fault=()) -> Launch:
     """ddp_train_dual.py ARGS under torchrun (per-rank output files) for nproc > 1, else as one process; with a
     fault, the fault driver instead (testsupport/probes/faulty_train.py)."""
     args = [*map(str, args), '--ddp-timeout', str(DDP_TIMEOUT_S)]
@@ -58,7 +59,7 @@ def launch(tree, nproc, args, folder: Path, script='ddp_train_dual.py', fault=''
         cmd = [sys.executable, script, *args]
     start = time.monotonic()
     try:
-        result = run(cmd, tree, DEADLINE_S, job_env(FAULT=fault), stderr=subprocess.STDOUT)
+        result = run(cmd, tree, DEADLINE_S, job_env(FAULT=to_env(fault)), stderr=subprocess.STDOUT)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f'the launch did not end within {DEADLINE_S} s: {cmd}\n{e.output[-3000:]}')
     wall = time.monotonic() - start
@@ -205,7 +206,7 @@ def test_the_line_of_an_error_every_rank_sees_is_out_before_torchrun_stops_rank_
     """Rank 0 alone prints an error every rank sees alike (here --evolve); the other ranks exit only once its line
     is out, since torchrun stops every rank as soon as one exits. Here rank 0 takes 3 s to print it: a rank 1 that
     exited at once would have had rank 0 stopped first, and the job would end without its line."""
-    run = launch(patched_tree, 2, base() + ['--evolve'], tmp_path, fault='slow:rank=0:where=report:sleep=3')
+    run = launch(patched_tree, 2, base() + ['--evolve'], tmp_path, fault=Fault('slow', rank=0, where='report', sleep=3))
     assert_clean_failure(run, 2, '--evolve', 'train_dual.py')
 
 

@@ -1,11 +1,13 @@
 """Rank-0 atomic checkpoints, --resume under torchrun, the automatic resume after torchrun restarts
 workers that were killed (--max-restarts), and which options a resume takes from the run (issue 21; a resume on
 another number of processes with the run's own options is a job of tests/test_same_run.py)."""
+import io
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -15,7 +17,9 @@ import torch
 from testsupport.faults import (children_of, faulty_torchrun, one_error_line_problems, results_epochs,
                                weights_snapshot)
 from testsupport.jobs import NEW_INTERPRETERS, job_env, run, torchrun_cmd, train_args
-from yolov9_ddp import checkpoint, cli, runs
+from testsupport.injected import Fault, to_env
+from testsupport.trees import KIT, copy_tree, run_applier
+from yolov9_ddp import checkpoints, cli, runs
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 from yolov9_ddp.tasks import TASKS
 
@@ -30,8 +34,8 @@ def dataset(tmp_path_factory):
 
 def checkpoint_epoch(path: Path):
     try:
-        return checkpoint.load_checkpoint(path)['epoch']
-    except checkpoint.CheckpointError:
+        return checkpoints.load_checkpoint(path)['epoch']
+    except checkpoints.CheckpointError:
         return None
 
 
@@ -64,7 +68,7 @@ def assert_completed_every_epoch(project: Path, output: str):
     assert sorted(set(epochs)) == list(range(EPOCHS)), epochs
     assert len(epochs) - len(set(epochs)) <= 1  # at most the epoch in progress at the kill is repeated
     assert 'mAP50-95' in output
-    final = checkpoint.load_checkpoint(folders[0] / 'weights' / 'last.pt')
+    final = checkpoints.load_checkpoint(folders[0] / 'weights' / 'last.pt')
     assert final['epoch'] == -1 and final['optimizer'] is None  # stripped at the end, as upstream does
     assert not list((folders[0] / 'weights').glob('.*.tmp')), 'temporary checkpoint files left behind'
 
@@ -73,15 +77,15 @@ def assert_completed_every_epoch(project: Path, output: str):
 
 def test_save_atomic_replaces_the_file_whole(tmp_path):
     target = tmp_path / 'last.pt'
-    checkpoint.save_atomic({'epoch': 1, 'model': torch.zeros(3)}, target)
-    checkpoint.save_atomic({'epoch': 2, 'model': torch.ones(3)}, target)
+    checkpoints.save_file({'epoch': 1, 'model': torch.zeros(3)}, target)
+    checkpoints.save_file({'epoch': 2, 'model': torch.ones(3)}, target)
     assert torch.load(target)['epoch'] == 2
     assert [p.name for p in tmp_path.iterdir()] == ['last.pt']
 
 
 def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     target = tmp_path / 'last.pt'
-    checkpoint.save_atomic({'epoch': 1, 'model': torch.zeros(3)}, target)
+    checkpoints.save_file({'epoch': 1, 'model': torch.zeros(3)}, target)
 
     def dies_half_way(obj, f, **kw):
         f.write(b'PK\x03\x04 partial')
@@ -89,37 +93,37 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatc
 
     monkeypatch.setattr(torch, 'save', dies_half_way)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save_atomic({'epoch': 2, 'model': torch.ones(3)}, target)
+        checkpoints.save_file({'epoch': 2, 'model': torch.ones(3)}, target)
     monkeypatch.undo()
-    assert checkpoint.load_checkpoint(target)['epoch'] == 1
+    assert checkpoints.load_checkpoint(target)['epoch'] == 1
     assert [p.name for p in tmp_path.iterdir()] == ['last.pt']
 
 
 def test_a_copy_of_a_checkpoint_is_its_bytes_moved_into_place_whole(tmp_path, monkeypatch):
     """best.pt and epochN.pt: the epoch's last.pt copied, not pickled again; a crash mid-copy keeps the old file."""
     last, best = tmp_path / 'last.pt', tmp_path / 'best.pt'
-    checkpoint.save_atomic({'epoch': 2, 'model': torch.ones(3)}, last)
-    checkpoint.save_atomic({'epoch': 1, 'model': torch.zeros(3)}, best)
-    checkpoint.copy_atomic(last, best)
+    checkpoints.save_file({'epoch': 2, 'model': torch.ones(3)}, last)
+    checkpoints.save_file({'epoch': 1, 'model': torch.zeros(3)}, best)
+    checkpoints.copy_file(last, best)
     assert best.read_bytes() == last.read_bytes()
 
     def dies_half_way(source, target, length):
         target.write(source.read(10))
         raise KeyboardInterrupt
     monkeypatch.setattr(shutil, 'copyfileobj', dies_half_way)
-    checkpoint.save_atomic({'epoch': 3, 'model': torch.ones(3)}, last)
+    checkpoints.save_file({'epoch': 3, 'model': torch.ones(3)}, last)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.copy_atomic(last, best)
-    assert checkpoint.load_checkpoint(best)['epoch'] == 2
+        checkpoints.copy_file(last, best)
+    assert checkpoints.load_checkpoint(best)['epoch'] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ['best.pt', 'last.pt']
 
 
 def test_a_truncated_checkpoint_is_reported_not_loaded(tmp_path):
     target = tmp_path / 'last.pt'
-    checkpoint.save_atomic({'epoch': 1, 'model': torch.zeros(1000)}, target)
+    checkpoints.save_file({'epoch': 1, 'model': torch.zeros(1000)}, target)
     target.write_bytes(target.read_bytes()[:200])
-    with pytest.raises(checkpoint.CheckpointError, match='truncated or corrupt'):
-        checkpoint.load_checkpoint(target)
+    with pytest.raises(checkpoints.CheckpointError, match='truncated or corrupt'):
+        checkpoints.load_checkpoint(target)
 
 
 # -- resume ------------------------------------------------------------------------------------------------------------
@@ -130,17 +134,18 @@ def test_resume_continues_in_the_same_folder_at_the_next_epoch(patched_tree, dat
     checkpoints untouched; here rank 0 lingers 12 s inside epoch 1 so that the run is still training."""
     project, records = tmp_path / 'runs', tmp_path / 'records'
     args = train_args(dataset, project, EPOCHS, 4, 64)
-    job = start(faulty_torchrun(2, args), patched_tree, FAULT='mark:where=step:epoch=1:step=1:sleep=12',
+    job = start(faulty_torchrun(2, args), patched_tree, FAULT=to_env(Fault('mark', epoch=1, step=1, sleep=12)),
                 FAULT_DIR=records)
     last = project / 'exp' / 'weights' / 'last.pt'
     wait_for(lambda: (records / 'mark-mark').exists(), job)
+    wait_for(lambda: runs.read_record(project / 'exp').get('saved_epoch') == 0, job)  # written off the training thread
     weights = weights_snapshot(project / 'exp')
     second = run([sys.executable, 'ddp_train_dual.py', '--resume', last], patched_tree)
     assert second.returncode == 1 and job.poll() is None, second.stderr[-3000:]
     assert not one_error_line_problems(second.stderr, f'{project / "exp"} is being trained by process'), second.stderr
     assert weights_snapshot(project / 'exp') == weights
     kill_job(job)
-    saved = checkpoint.load_checkpoint(last, require_resume_state=True)
+    saved = checkpoints.load_checkpoint(last, require_resume_state=True)
     for key in ('model', 'ema', 'updates', 'optimizer', 'scaler', 'epoch', 'best_fitness', 'opt'):
         assert key in saved, f'checkpoint lacks {key}'
     assert saved['ema'] is not None and saved['updates'] > 0
@@ -210,3 +215,36 @@ def test_a_resume_keeps_the_runs_options_but_the_start_options_given_for_it(tmp_
     assert (resumed['checkpoint_minutes'], resumed['checkpoint_steps']) == (5.0, 200)  # given / the run's
     # --epochs and --hyp say what the run has; --resume, --workers and --checkpoint-minutes are this start's
     assert runs.overruled_flags(options, recorded, given) == ['--batch-size 16 (the run has 12)']
+
+
+# -- a run of the previous release -------------------------------------------------------------------------------------
+
+PREVIOUS_RELEASE = 'c355b24'  # kit 0.6.0, whose checkpoints and opt.yaml recorded 16 levers
+
+
+@pytest.mark.slow
+def test_a_run_of_kit_0_6_0_resumes_at_its_step_once_the_clone_is_upgraded(pinned_upstream, dataset, tmp_path):
+    """A clone patched by kit 0.6.0 whose run was killed mid-epoch, then upgraded by this kit (apply_patches.py over
+    the old one): --resume continues the run at the step of 0.6.0's periodic checkpoint, its recorded levers of 0.6.0
+    dropped without a word, and completes it."""
+    old_kit, tree, project = tmp_path / 'kit-0.6.0', copy_tree(pinned_upstream, tmp_path / 'yolov9'), tmp_path / 'runs'
+    old_kit.mkdir()
+    archive = subprocess.run(['git', '-C', str(KIT), 'archive', PREVIOUS_RELEASE], capture_output=True, check=True)
+    tarfile.open(fileobj=io.BytesIO(archive.stdout)).extractall(old_kit, filter='data')
+    assert run_applier(tree, kit=old_kit).returncode == 0
+    job = start([sys.executable, 'ddp_train_dual.py', *train_args(dataset, project, 2, 4, 64), '--workers', 0,
+                 '--checkpoint-steps', 2], tree)
+    wait_for(lambda: (runs.read_record(project / 'exp').get('saved_position') or [0])[0] == 1, job)
+    kill_job(job)
+    epoch, step = runs.read_record(project / 'exp')['saved_position']
+    assert 'host_targets=' in checkpoints.load_checkpoint(project / 'exp' / 'weights' / 'last.pt')['opt']['levers']
+
+    upgraded = run_applier(tree)
+    assert upgraded.returncode == 0, upgraded.stdout + upgraded.stderr
+    result = run([sys.executable, 'ddp_train_dual.py', '--resume', project / 'exp' / 'weights' / 'last.pt'], tree,
+                 timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert f'resuming epoch {epoch} at step {step} of 16 from ' in output
+    assert 'lever' not in output.replace('levers=', ''), 'a lever of 0.6.0 spoken of'
+    assert results_epochs(project / 'exp')[-1] == 1 and runs.read_record(project / 'exp')['finished']

@@ -15,6 +15,7 @@ import random
 import shutil
 import signal
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from testsupport.faults import (FAULT_EPOCHS, KILL_FAULTS, RAISE_FAULTS, STOP_DE
                                 run_folders, signal_scenario, slow_filesystem_resume_scenario, stall_scenario,
                                 start_job)
 from testsupport.jobs import PROBE, free_port, train_args
+from testsupport.injected import Fault
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures('upstream_importable')]
@@ -60,11 +62,11 @@ def test_epochs_redone_counts_from_the_epoch_in_progress_to_the_next_start():
 # (torchrun's restart) and the next epoch, so each costs what it costs alone: the epoch it struck in. 'twice': the first
 # kill, of rank 1 mid-step, and the second, of rank 0 in the restarted job.
 KILL_CHAIN = {
-    'twice': 'kill:rank=1:where=step:epoch=1:step=2',
-    'mid-validation': 'kill:rank=0:where=val:epoch=2',
-    'mid-checkpoint-write': 'kill:rank=0:where=save:epoch=3',
-    'between-checkpoint-renames': 'kill:rank=0:where=rename:epoch=4',
-    'while-stripping-at-the-end': 'kill:rank=0:where=strip',
+    'twice': Fault('kill', rank=1, epoch=1, step=2),
+    'mid-validation': Fault('kill', rank=0, where='val', epoch=2),
+    'mid-checkpoint-write': Fault('kill', rank=0, where='save', epoch=3),
+    'between-checkpoint-renames': Fault('kill', rank=0, where='rename', epoch=4),
+    'while-stripping-at-the-end': Fault('kill', rank=0, where='strip'),
 }
 CHAIN_EPOCHS = 5
 
@@ -72,7 +74,7 @@ CHAIN_EPOCHS = 5
 @pytest.fixture(scope='module')
 def kill_chain(patched_tree, dataset, tmp_path_factory):
     """The outcome of one job killed as KILL_CHAIN says, one kill per attempt, in that order."""
-    fault = ';'.join(f'{item}:attempt={attempt}' for attempt, item in enumerate(KILL_CHAIN.values()))
+    fault = [replace(item, attempt=attempt) for attempt, item in enumerate(KILL_CHAIN.values())]
     return kill_scenario(patched_tree, dataset, tmp_path_factory.mktemp('kill-chain'), fault, epochs=CHAIN_EPOCHS,
                          max_restarts=len(KILL_CHAIN), timeout=480)
 
@@ -92,7 +94,7 @@ def test_a_killed_worker_costs_at_most_the_epoch_in_progress(patched_tree, datas
     assert len(kills) == len(faults) and all(k['epoch'] < epochs for k in kills), outcome.describe()
     at = faults.index(where)
     fired = kills[at]
-    assert fired['attempt'] == at and f'rank={fired["rank"]}:where={fired["fault"]["where"]}' in fault, \
+    assert fired['attempt'] == at and (fired['rank'], fired['fault']['where']) == (fault.rank, fault.where), \
         outcome.describe()
     mine = [at, at + 1] if where == 'twice' else [at]  # twice: this kill and the next, of the other rank
     assert len(outcome.redone) == len(kills) and all(outcome.redone[n] == 1 for n in mine), outcome.describe()
@@ -120,9 +122,9 @@ def test_a_kill_while_the_final_checkpoint_is_stripped_leaves_a_loadable_last_pt
 def worker_kill_chain(patched_tree, dataset, tmp_path_factory):
     """The outcome of one job whose loader workers are killed as WORKER_KILL_FAULTS say, one kill per attempt, in that
     order, each in the next epoch (the first in epoch 1), the final validation's last."""
-    chain = [f'{fault.replace(":epoch=1", f":epoch={attempt + 1}")}:attempt={attempt}'
+    chain = [replace(fault, epoch=attempt + 1 if fault.epoch == 1 else fault.epoch, attempt=attempt)
              for attempt, fault in enumerate(WORKER_KILL_FAULTS.values())]
-    return kill_scenario(patched_tree, dataset, tmp_path_factory.mktemp('worker-kill-chain'), ';'.join(chain),
+    return kill_scenario(patched_tree, dataset, tmp_path_factory.mktemp('worker-kill-chain'), chain,
                          epochs=len(chain), max_restarts=len(chain), timeout=480, extra=WORKERS)
 
 
@@ -136,8 +138,8 @@ def test_a_killed_loader_worker_restarts_the_job_which_completes(worker_kill_cha
     assert not outcome.problems and len(outcome.redone) == len(WORKER_KILL_FAULTS), outcome.describe()
     fired = outcome.detail['kills'][at]
     fault = WORKER_KILL_FAULTS[where]
-    assert fired['attempt'] == at and f'rank={fired["rank"]}:loader={fired["fault"]["loader"]}:where=' \
-        f'{fired["fault"]["where"]}' in fault, outcome.describe()
+    assert fired['attempt'] == at and (fired['rank'], fired['fault']['loader'], fired['fault']['where']) == (
+        fault.rank, fault.loader, fault.where), outcome.describe()
     if where != 'validation worker in the final validation':  # that one strikes after the last epoch is saved
         assert outcome.redone[at] in (0, 1), outcome.describe()  # at most its epoch
 

@@ -12,7 +12,7 @@ import yaml
 
 from testsupport import faults
 from testsupport.jobs import launch_cmd
-from yolov9_ddp import checkpoint, cli, graphs, perf
+from yolov9_ddp import checkpoints, cli, graphs, perf
 from yolov9_ddp.perf import DETERMINISTIC, ONE_GPU_DEFAULTS, Perf
 from yolov9_ddp.progress import LaggingLosses
 from yolov9_ddp.tasks import TASKS
@@ -246,15 +246,15 @@ def test_a_runs_cuda_graphs_turn_off_in_one_line_where_a_resume_cannot_use_them(
 def test_a_run_trained_with_cuda_graphs_resumes_on_cpus_without_them(tmp_path, monkeypatch):
     """A run started on one GPU with cuda_graphs continues on CPUs or on 2 processes: its recorded switch turns off
     for this start, it is not refused."""
-    from yolov9_ddp import runs, trainer
+    from yolov9_ddp import build, runs
     task = TASKS['detect-dual']
     recorded = {**vars(cli.parse_args(['--device', '0', '--levers', 'cuda_graphs=1'], tmp_path, task)),
                 'levers': replace(Perf(), cuda_graphs=True).describe()}
     plan = runs.RunPlan(tmp_path / 'exp', resume_from=tmp_path / 'exp' / 'weights' / 'last.pt', options=recorded)
     argv = ['--resume', str(plan.resume_from), '--device', 'cpu']
     opt, said = cli.parse_args(argv, tmp_path, task), []
-    monkeypatch.setattr(trainer.LOGGER, 'info', said.append)
-    trainer.restore_resumed_options(opt, plan, cli.given_flags(argv, tmp_path, task))
+    monkeypatch.setattr(build.LOGGER, 'info', said.append)
+    build.restore_resumed_options(opt, plan, cli.given_flags(argv, tmp_path, task))
     assert perf.parse(opt.levers)['cuda_graphs'] is False and opt.device == 'cpu'
     assert [line for line in said if 'cuda_graphs 1 -> 0' in line]
     cli.check_options(opt, 1, task)  # what would refuse the resume: '--levers cuda_graphs=1 needs a CUDA device'
@@ -264,12 +264,12 @@ def test_a_run_trained_with_cuda_graphs_resumes_on_cpus_without_them(tmp_path, m
 def test_autobatch_measures_with_cudnn_benchmark_off_and_turns_it_on_again(monkeypatch):
     """Upstream's autobatch() answers 16 without measuring while cudnn.benchmark is on, and it is the kit's
     default: --batch-size -1 did nothing on a GPU."""
-    from yolov9_ddp import trainer
+    from yolov9_ddp import build
     measured_with = []
-    monkeypatch.setattr(trainer, 'check_train_batch_size',
+    monkeypatch.setattr(build, 'check_train_batch_size',
                         lambda model, imgsz, amp: measured_with.append(torch.backends.cudnn.benchmark) or 48)
     monkeypatch.setattr(torch.backends.cudnn, 'benchmark', True)
-    assert trainer.autobatch(torch.nn.Identity(), 640, True) == 48 and measured_with == [False]
+    assert build.autobatch(torch.nn.Identity(), 640, True) == 48 and measured_with == [False]
     assert torch.backends.cudnn.benchmark, 'the switch is on again for training'
 
 
@@ -353,7 +353,7 @@ def interrupted_with_levers(patched_tree, demo_data, tmp_path_factory):
 def recorded_levers(run_dir) -> tuple:
     """The switches in the run's opt.yaml and in its last.pt."""
     saved = yaml.safe_load((run_dir / 'opt.yaml').read_text())['levers']
-    return saved, checkpoint.load_checkpoint(run_dir / 'weights' / 'last.pt')['opt']['levers']
+    return saved, checkpoints.load_checkpoint(run_dir / 'weights' / 'last.pt')['opt']['levers']
 
 
 @pytest.mark.usefixtures('upstream_importable')

@@ -24,6 +24,8 @@ import yaml
 from testsupport.faults import (FAULTY, Job, children_of, completed_run_problems, differences, final_state, node_cmd,
                                refusal_problems, results_epochs, start_job, wait_until, weights_snapshot)
 from testsupport.jobs import NEW_INTERPRETERS, free_port, torchrun_cmd, train_args
+from testsupport.injected import Fault
+from yolov9_ddp import writer
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures('upstream_importable'), pytest.mark.slow]
@@ -44,7 +46,7 @@ def args(data, project, *extra, batch=BATCH, cfg=None):
                       **models)
 
 
-def launch(tree, workdir, name, nproc, script_args, max_restarts=0, script='ddp_train_dual.py', fault='',
+def launch(tree, workdir, name, nproc, script_args, max_restarts=0, script='ddp_train_dual.py', fault=(),
            **env) -> Job:
     cmd = torchrun_cmd(nproc, '--max-restarts', max_restarts, script, *script_args)
     return start_job(cmd, tree, workdir, name, fault, **env)
@@ -68,16 +70,16 @@ def when_saved(job: Job, run_dir: Path, at_least: list, act):
     act()
 
 
-def held(epoch: int, step: int, ranks=range(2)) -> str:
-    """The FAULT (faulty_train.py) that holds those ranks before training step `step` of `epoch` until they are asked
+def held(epoch: int, step: int, ranks=range(2)) -> list:
+    """The faults (faulty_train.py) that hold those ranks before training step `step` of `epoch` until they are asked
     to stop or killed, so that a stop or a kill comes right there. (A SIGTERM sent once run.json recorded a step came
     1 to 4 steps later on a loaded machine, and the next start then found that position recorded and was signalled
     before it had begun.)"""
-    return ';'.join(f'hold:rank={rank}:where=step:epoch={epoch}:step={step}:sleep={DEADLINE_S}' for rank in ranks)
+    return [Fault('hold', rank=rank, epoch=epoch, step=step, sleep=DEADLINE_S) for rank in ranks]
 
 
 def stopped(job: Job, nproc=2) -> str:
-    """SIGTERM to torchrun once every rank holds (a job started with FAULT=held(...)); it must stop with a resumable
+    """SIGTERM to torchrun once every rank holds (a job started with the faults of held()); it must stop with a resumable
     checkpoint."""
     wait_until(lambda: len(job.events('fired')) >= nproc, f'its {nproc} ranks to hold', job, DEADLINE_S)
     os.kill(job.proc.pid, signal.SIGTERM)
@@ -104,7 +106,7 @@ def test_a_run_stopped_three_times_mid_epoch_ends_bit_identical(patched_tree, da
                    script=FAULTY, fault=held(0, 1)))
     for n, hold in enumerate(((0, 3), (1, 2), None)):
         resume = ['--resume', run_dir / 'weights' / 'last.pt', '--checkpoint-steps', 1]
-        job = launch(patched_tree, tmp_path, f'resume{n}', 2, resume, script=FAULTY, fault=held(*hold) if hold else '')
+        job = launch(patched_tree, tmp_path, f'resume{n}', 2, resume, script=FAULTY, fault=held(*hold) if hold else ())
         output = stopped(job) if hold else finished(job)
         resumes += resumed_at(output)
     assert resumes == [(0, 2), (0, 4), (1, 3)]  # each after the step its ranks held at, inside an epoch
@@ -120,7 +122,7 @@ def test_a_sigkilled_rank_restarts_from_its_periodic_checkpoint_bit_identical_wi
     step 1 skipped, and nothing would write it while rank 1 holds."""
     project = tmp_path / 'runs'
     job = launch(patched_tree, tmp_path, 'killed', 2, args(data, project, '--checkpoint-steps', 1, '--workers', 2),
-                 max_restarts=1, script=FAULTY, fault=f'{held(1, 2, ranks=[1])};slow:rank=0:epoch=1:step=1:sleep=3',
+                 max_restarts=1, script=FAULTY, fault=[*held(1, 2, ranks=[1]), Fault('slow', rank=0, epoch=1, step=1, sleep=3)],
                  **NEW_INTERPRETERS)
     writers = []
 
@@ -135,13 +137,13 @@ def test_a_sigkilled_rank_restarts_from_its_periodic_checkpoint_bit_identical_wi
 
 
 def writer_processes_of(pid: int) -> list:
-    """The checkpoint writer processes (yolov9_ddp/checkpoint_process.py) that pid started."""
-    def command(child):
+    """The checkpoint writer processes (yolov9_ddp/writer.py) that pid forked, by the name they give themselves."""
+    def name(child):
         try:
-            return Path(f'/proc/{child}/cmdline').read_bytes()
+            return Path(f'/proc/{child}/comm').read_bytes().strip()
         except OSError:
             return b''
-    return [child for child in children_of(pid) if b'yolov9_ddp.checkpoint_process' in command(child)]
+    return [child for child in children_of(pid) if name(child) == writer.NAME]
 
 
 def workers_of(job: Job, rank=None) -> list:
@@ -153,7 +155,8 @@ def workers_of(job: Job, rank=None) -> list:
 
 def test_an_elastic_job_that_loses_an_agent_goes_on_with_the_one_left(patched_tree, data, tmp_path):
     """torchrun --nnodes 1:2 with two agents of one process each; inside epoch 1 the second agent and its process
-    are SIGKILLed (a lost node), its process held before step 2 (the checkpoint after step 1 recorded). The first
+    are SIGKILLed (a lost node), its process held before step 2 (the checkpoint after step 1 recorded; rank 0 waits
+    before step 1 for the write of the one before, which would make that one skipped). The first
     one's process fails in a collective, its agent forms the job again on its own, and the run goes on from that
     checkpoint, at its step, on 1 process, to the end."""
     project, endpoint = tmp_path / 'runs', f'127.0.0.1:{free_port()}'
@@ -163,10 +166,11 @@ def test_an_elastic_job_that_loses_an_agent_goes_on_with_the_one_left(patched_tr
     rendezvous = ['--max-restarts', 1, '--rdzv-conf',
                   'join_timeout=60,last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3']
     script = [FAULTY, *args(data, project, '--checkpoint-steps', 1)]
+    settled = Fault('slow', rank=0, epoch=1, step=1)  # rank 0's write of the checkpoint after step 0 ends first
     agents = []
     for n in range(2):  # the first agent hosts the rendezvous store; the one lost must not be it (whatever its rank)
         agents.append(start_job(node_cmd('1:2', endpoint, f'elastic-{endpoint}', *rendezvous, *script),
-                                patched_tree, tmp_path, f'agent{n}', held(1, 2) if n else ''))
+                                patched_tree, tmp_path, f'agent{n}', [settled, *(held(1, 2) if n else [])]))
         wait_for_store(endpoint, agents[0])
     when_saved(agents[0], project / 'exp', [1, 2], lambda: lose(agents[1]))
     output = finished(agents[0])

@@ -30,6 +30,7 @@ from testsupport import zygote
 from testsupport.faults import (completed_run_problems, differences, final_state, scenario_args, signal_scenario,
                                start_job)
 from testsupport.jobs import TASK_DATASETS, job_env, labels_of, run, run_probe, task_cfg, torchrun_cmd, train_args
+from testsupport.injected import Fault
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 from yolov9_ddp.stream import repeats_per_epoch
 from yolov9_ddp.tasks import TASKS
@@ -176,7 +177,7 @@ def killed_then_stopped(patched_tree, task_datasets, tmp_path_factory):
         if task not in outcomes:
             data, workdir = task_datasets[labels_of(task)], tmp_path_factory.mktemp(f'faults-{task}')
             outcome = signal_scenario(patched_tree, data, workdir, signal.SIGTERM, epochs=3, task=task,
-                                      kill='kill:rank=1:where=step:epoch=1:step=3', extra=SAME_RUN)
+                                      kill=Fault('kill', rank=1, epoch=1, step=3), extra=SAME_RUN)
             project = tmp_path_factory.mktemp(f'reference-{task}') / 'runs'
             reference = start_job(torchrun_cmd(2, TASKS[task].script, *scenario_args(data, project, 3, task=task,
                                                                                      extra=SAME_RUN)),

@@ -11,10 +11,11 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from testsupport import zygote
+from testsupport.injected import Fault, to_env
 from testsupport.imagecache import parent_of
 from testsupport.jobs import TORCHRUN, job_env, launch_cmd, run, task_cfg, torchrun_cmd, train_args
 from testsupport.trees import TINY_CFG
@@ -25,7 +26,7 @@ DUAL = 'detect-dual'  # the task of ddp_train_dual.py (yolov9_ddp.tasks), the de
 FAULTY = Path(__file__).resolve().parent / 'probes' / 'faulty_train.py'
 FAULT_EPOCHS = 3  # epochs of a fault scenario: a fault in epoch 1 leaves an epoch before it and one after
 STOP_DEADLINE_S = 60  # a signalled job must be gone within this
-MARK_SLOW = 'mark:rank=0:where=step:epoch=1:step=1:sleep=2'  # rank 0 says "mid-epoch 1" and lingers there
+MARK_SLOW = Fault('mark', rank=0, epoch=1, step=1, sleep=2)  # rank 0 says "mid-epoch 1" and lingers there
 
 
 @dataclass
@@ -69,13 +70,13 @@ def fault_events(records: Path, kind=None) -> list:
     return sorted(events, key=lambda e: e['time'])
 
 
-def start_job(cmd, tree, workdir: Path, name: str, fault: str = '', **env) -> Job:
-    """Start cmd in the tree, in a session of its own, with FAULT (and env) set; output goes to workdir/NAME.log
-    and faulty_train.py's records to workdir/records-NAME (FAULT_DIR)."""
+def start_job(cmd, tree, workdir: Path, name: str, fault=(), **env) -> Job:
+    """Start cmd in the tree, in a session of its own, with FAULT (a Fault or a list of them, testsupport.injected)
+    and env set; output goes to workdir/NAME.log and faulty_train.py's records to workdir/records-NAME (FAULT_DIR)."""
     workdir.mkdir(parents=True, exist_ok=True)
     log, records = workdir / f'{name}.log', workdir / f'records-{name}'
     with open(log, 'w') as out:
-        proc = zygote.popen(cmd, tree, job_env(FAULT=fault, FAULT_DIR=records, **env), job_env(), out,
+        proc = zygote.popen(cmd, tree, job_env(FAULT=to_env(fault), FAULT_DIR=records, **env), job_env(), out,
                             subprocess.STDOUT, start_new_session=True)
     return Job(proc, log, records, f'{workdir}/', time.monotonic())
 
@@ -172,7 +173,7 @@ def completed_run_problems(project: Path, epochs: int, task=DUAL) -> list:
     """Why the job under project did not end as a completed run ([] if it did): one run folder, every epoch in its
     results.csv, run.json finished, last.pt loadable and stripped as the task's upstream script leaves it (train.py:
     last_striped.pt), no temporary files."""
-    from yolov9_ddp import checkpoint, runs
+    from yolov9_ddp import checkpoints, runs
     from yolov9_ddp.tasks import TASKS
     folders = run_folders(project)
     if len(folders) != 1:
@@ -186,10 +187,10 @@ def completed_run_problems(project: Path, epochs: int, task=DUAL) -> list:
         problems.append('run.json does not record a finished run')
     stripped = TASKS[task].stripped(run_dir / 'weights' / 'last.pt')
     try:
-        final = checkpoint.load_checkpoint(stripped)
+        final = checkpoints.load_checkpoint(stripped)
         if final['epoch'] != -1 or final['optimizer'] is not None:
             problems.append(f'{stripped.name} is not the final stripped checkpoint (epoch {final["epoch"]})')
-    except checkpoint.CheckpointError as e:
+    except checkpoints.CheckpointError as e:
         problems.append(f'{stripped.name} does not load: {e}')
     temporaries = sorted(p.name for p in (run_dir / 'weights').glob('.*.tmp'))
     if temporaries:
@@ -213,12 +214,10 @@ def epochs_redone(events: list) -> list:
 
 class CheckpointWatcher:
     """Reads weights/last.pt and last.previous.pt of a run folder every time they change while a job runs: each
-    version that exists must load as a checkpoint (save_atomic moves only whole files into place).
+    version that exists must load as a checkpoint (files.atomic_write moves only whole files into place).
 
     Reading needs upstream's classes importable (the patched tree on sys.path). The final strip is written in one
-    rename too (trainer.strip_atomically), so every version is read until the job ends (the watcher used to stop
-    at run.json's finished mark, from when upstream's strip_optimizer rewrote last.pt in place, and a run whose last
-    save came less than a poll before that mark showed one version only).
+    rename too, so every version is read until the job ends.
     """
     NAMES = ('last.pt', 'last.previous.pt')
 
@@ -267,29 +266,29 @@ class CheckpointWatcher:
 
 ERROR_LINE = 'ddp_train_dual.py: error'
 KILL_FAULTS = {  # SIGKILLed workers under torchrun --max-restarts, by faulty_train.py (FAULT syntax there)
-    'mid-step': 'kill:rank=1:where=step:epoch=1:step=3',
-    'mid-validation': 'kill:rank=0:where=val:epoch=1',
-    'mid-checkpoint-write': 'kill:rank=0:where=save:epoch=1',
-    'between-checkpoint-renames': 'kill:rank=0:where=rename:epoch=1',
-    'twice': 'kill:rank=1:where=step:epoch=1:step=2:attempt=0;kill:rank=0:where=step:epoch=2:step=5:attempt=1',
-    'while-stripping-at-the-end': 'kill:rank=0:where=strip',
+    'mid-step': Fault('kill', rank=1, epoch=1, step=3),
+    'mid-validation': Fault('kill', rank=0, where='val', epoch=1),
+    'mid-checkpoint-write': Fault('kill', rank=0, where='save', epoch=1),
+    'between-checkpoint-renames': Fault('kill', rank=0, where='rename', epoch=1),
+    'twice': [Fault('kill', rank=1, epoch=1, step=2, attempt=0), Fault('kill', rank=0, epoch=2, step=5, attempt=1)],
+    'while-stripping-at-the-end': Fault('kill', rank=0, where='strip'),
 }
 # SIGKILLed loader workers (one per loader and rank: --workers 1), in every phase of a run
 WORKER_KILL_FAULTS = {
-    'training worker mid-step': 'killworker:rank=1:loader=train:where=step:epoch=1:step=3',
-    'validation worker mid-step': 'killworker:rank=0:loader=val:where=step:epoch=1:step=2',
-    'validation worker mid-validation': 'killworker:rank=1:loader=val:where=val:epoch=1',
-    'training worker while rank 0 writes last.pt': 'killworker:rank=0:loader=train:where=save:epoch=1',
-    'validation worker in the final validation': 'killworker:rank=0:loader=val:where=final_val',
+    'training worker mid-step': Fault('killworker', rank=1, loader='train', epoch=1, step=3),
+    'validation worker mid-step': Fault('killworker', rank=0, loader='val', epoch=1, step=2),
+    'validation worker mid-validation': Fault('killworker', rank=1, loader='val', where='val', epoch=1),
+    'training worker while rank 0 writes last.pt': Fault('killworker', rank=0, loader='train', where='save', epoch=1),
+    'validation worker in the final validation': Fault('killworker', rank=0, loader='val', where='final_val'),
 }
 # An exception on one rank only, and the words its one error line must have
 RAISE_FAULTS = {
-    'in the loss': ('raise:rank=1:where=loss:epoch=1:step=3', ('ValueError: injected fault on rank 1 at loss',)),
+    'in the loss': (Fault('raise', rank=1, where='loss', epoch=1, step=3), ('ValueError: injected fault on rank 1 at loss',)),
     "in a dataset's __getitem__ (a loader worker)": (
-        'raise:rank=0:where=getitem:step=30', ('ValueError: injected fault on rank 0 at getitem', 'DataLoader worker')),
-    'in validation': ('raise:rank=1:where=val:epoch=0', ('ValueError: injected fault on rank 1 at val',)),
-    'CUDA out of memory': ('raise:rank=1:where=step:epoch=1:step=2:error=oom', ('out of GPU memory',)),
-    'a killed loader worker': ('killworker:rank=0:loader=val:where=step:epoch=1:step=2', ('DataLoader worker',
+        Fault('raise', rank=0, where='getitem', step=30), ('ValueError: injected fault on rank 0 at getitem', 'DataLoader worker')),
+    'in validation': (Fault('raise', rank=1, where='val', epoch=0), ('ValueError: injected fault on rank 1 at val',)),
+    'CUDA out of memory': (Fault('raise', rank=1, epoch=1, step=2, error='oom'), ('out of GPU memory',)),
+    'a killed loader worker': (Fault('killworker', rank=0, loader='val', epoch=1, step=2), ('DataLoader worker',
                                                                                           'killed by signal')),
 }
 DISRUPTIVE = ('kill', 'killworker', 'raise')  # faulty_train.py actions that end the process they fire in
@@ -375,7 +374,7 @@ def kill_scenario(tree, data, workdir: Path, fault: str, nproc=2, epochs=FAULT_E
         job.wait(timeout)
     events = job.events()
     kills = [e for e in events if e['kind'] == 'fired' and e['fault']['action'] in DISRUPTIVE]
-    expected = sum(item.strip().startswith(DISRUPTIVE) for item in fault.split(';'))
+    expected = sum(f.action in DISRUPTIVE for f in ([fault] if isinstance(fault, Fault) else fault))
     problems = [] if len(kills) == expected else [f'{len(kills)} of the {expected} faults happened']
     problems += restarted_run_problems(job, project, epochs, len(kills), {k['epoch'] for k in kills}, task)
     return Outcome(project, [job], problems + watcher.problems, epochs_redone(events), watcher,
@@ -390,7 +389,7 @@ def random_kill_scenario(tree, data, workdir: Path, seed: int, nproc=2, epochs=6
     rng = random.Random(seed)
     project = workdir / 'runs'
     job = start_job(faulty_torchrun(nproc, fault_args(data, project, epochs, *WORKERS), max_restarts), tree, workdir,
-                    'job', 'mark:rank=0:where=step:epoch=0:step=1')
+                    'job', Fault('mark', rank=0, epoch=0, step=1))
     wait_for_path(job.records / 'mark-mark', job)
     time.sleep(rng.uniform(0, 4))
     processes = {pid: parent_of(pid) for pid in processes_mentioning(job.marker) if pid != job.proc.pid}
@@ -471,14 +470,14 @@ def signal_scenario(tree, data, workdir: Path, signum=signal.SIGTERM, save_on_si
     (--max-restarts 1) must restart the job, which continues its run (every checkpoint seen on the way loadable,
     only the killed epoch trained twice), and the signal comes mid-epoch 2 of the restarted job instead (one job
     for both proofs; detail['signalled_epoch'] says which). extra: more training arguments (scenario_args)."""
-    from yolov9_ddp import checkpoint
+    from yolov9_ddp import checkpoints
     from yolov9_ddp.tasks import TASKS
     project = workdir / 'runs'
     last = project / 'exp' / 'weights' / 'last.pt'
     args = scenario_args(data, project, epochs, save_on_signal, task, extra)
     watcher = CheckpointWatcher(project / 'exp') if kill else None
     if kill:
-        fault = f'{kill}:attempt=0;{MARK_SLOW.replace(":epoch=1", ":epoch=2")}:attempt=1'
+        fault = [replace(kill, attempt=0), replace(MARK_SLOW, epoch=2, attempt=1)]
         watcher.__enter__()
         job = start_job(faulty_torchrun(nproc, args, 1), tree, workdir, 'stopped', fault, FAULT_TASK=task)
     else:
@@ -520,8 +519,8 @@ def signal_scenario(tree, data, workdir: Path, signum=signal.SIGTERM, save_on_si
         if f'resumable checkpoint written to {last}' not in output:
             problems.append('no "resumable checkpoint written to .../last.pt" line')
         try:
-            detail['saved_epoch'] = checkpoint.load_checkpoint(last, require_resume_state=True)['epoch']
-        except checkpoint.CheckpointError as e:
+            detail['saved_epoch'] = checkpoints.load_checkpoint(last, require_resume_state=True)['epoch']
+        except checkpoints.CheckpointError as e:
             problems.append(f'last.pt is not resumable after the stop: {e}')
     else:
         if 'no checkpoint written for the interrupted epoch' not in output:
@@ -551,7 +550,7 @@ def stall_scenario(tree, data, workdir: Path, max_restarts=0, ddp_timeout=10, ep
     ignores SIGTERM, so torchrun always waits out its grace before the SIGKILL: STALL_GRACE_S, the launcher's
     setting, not the kit's."""
     project = workdir / 'runs'
-    fault = 'stall:rank=1:where=sync_ema:epoch=0'
+    fault = Fault('stall', rank=1, where='sync_ema', epoch=0)
     job = start_job(faulty_torchrun(2, fault_args(data, project, epochs, '--ddp-timeout', ddp_timeout), max_restarts),
                     tree, workdir, 'job', fault, TORCH_ELASTIC_SHUTDOWN_TIMEOUT=STALL_GRACE_S)
     job.wait(timeout)
@@ -580,14 +579,14 @@ def stall_scenario(tree, data, workdir: Path, max_restarts=0, ddp_timeout=10, ep
 def interrupted_run(tree, data, workdir: Path, epochs=FAULT_EPOCHS, extra=()) -> Path:
     """The folder of a 2-process run (extra: more training arguments) killed (rank 1, SIGKILL, no restarts) at the
     start of its last epoch: weights/last.pt holds epoch E-2 and last.previous.pt epoch E-3."""
-    from yolov9_ddp import checkpoint
+    from yolov9_ddp import checkpoints
     project = workdir / 'runs'
     job = start_job(faulty_torchrun(2, fault_args(data, project, epochs, *extra)), tree, workdir, 'interrupted',
-                    f'kill:rank=1:where=step:epoch={epochs - 1}:step=0')
+                    Fault('kill', rank=1, epoch=epochs - 1, step=0))
     assert job.wait(300) != 0 and job.events('fired'), job.output()[-4000:]
     weights = project / 'exp' / 'weights'
-    assert checkpoint.load_checkpoint(weights / 'last.pt')['epoch'] == epochs - 2, job.output()[-4000:]
-    assert checkpoint.load_checkpoint(weights / 'last.previous.pt')['epoch'] == epochs - 3
+    assert checkpoints.load_checkpoint(weights / 'last.pt')['epoch'] == epochs - 2, job.output()[-4000:]
+    assert checkpoints.load_checkpoint(weights / 'last.previous.pt')['epoch'] == epochs - 3
     return project / 'exp'
 
 
@@ -626,11 +625,11 @@ def resume_job(tree, workdir: Path, last: Path, name='resumed', nproc=2, fault='
 def fallback_scenario(tree, data, workdir: Path, source: Path = None, epochs=FAULT_EPOCHS) -> Outcome:
     """A truncated last.pt beside last.previous.pt: --resume must warn, continue from the previous checkpoint and
     complete the run. source: an interrupted_run folder to copy (else one is made)."""
-    from yolov9_ddp import checkpoint
+    from yolov9_ddp import checkpoints, files
     run_dir = interrupted_copy(tree, data, workdir, source, epochs)
     last = run_dir / 'weights' / 'last.pt'
-    previous = checkpoint.previous_path(last)
-    damaged_epoch = checkpoint.load_checkpoint(last)['epoch']
+    previous = files.previous_path(last)
+    damaged_epoch = checkpoints.load_checkpoint(last)['epoch']
     damage(last, 'truncated')
     job = resume_job(tree, workdir, last)
     job.wait(300)
@@ -652,7 +651,7 @@ def slow_filesystem_resume_scenario(tree, data, workdir: Path, source: Path = No
     rank 1 is 1.5 s late: the run must complete, every rank starting from the run's saved options."""
     run_dir = interrupted_copy(tree, data, workdir, source, epochs)
     job = resume_job(tree, workdir, run_dir / 'weights' / 'last.pt',
-                     fault='slow:rank=0:where=opt_yaml:sleep=5;slow:rank=1:where=resume_options:sleep=1.5')
+                     fault=[Fault('slow', rank=0, where='opt_yaml', sleep=5), Fault('slow', rank=1, where='resume_options', sleep=1.5)])
     job.wait(300)
     problems = [] if len(job.events('fired')) == 2 else ['the slow filesystem was not simulated on both ranks']
     if job.returncode:
@@ -685,11 +684,11 @@ def refused_checkpoint_scenario(tree, data, workdir: Path, how: str, source: Pat
                                 keep_previous=False) -> Outcome:
     """--resume with a damaged last.pt (damage(how)) and, unless keep_previous, no last.previous.pt: one clear error,
     every rank out, no training, weights/ untouched."""
-    from yolov9_ddp import checkpoint
+    from yolov9_ddp import files
     run_dir = interrupted_copy(tree, data, workdir, source)
     last = run_dir / 'weights' / 'last.pt'
     if not keep_previous:
-        checkpoint.previous_path(last).unlink()
+        files.previous_path(last).unlink()
     damage(last, how, tree)
     before, rows = weights_snapshot(run_dir), results_epochs(run_dir)
     job = resume_job(tree, workdir, last)
@@ -715,7 +714,7 @@ def lost_checkpoints_scenario(tree, data, workdir: Path, via: str, source: Path 
         job.wait(120)
         problems = refusal_problems(job, run_dir, before, rows, *fragments)
     else:
-        fault = f'kill:rank=0:where=step:epoch={epochs - 1}:step=0:wipe=1'
+        fault = Fault('kill', rank=0, epoch=epochs - 1, step=0, wipe=True)
         job = start_job(faulty_torchrun(2, fault_args(data, project, epochs), 1), tree, workdir, 'restarted', fault)
         job.wait(180)
         output, run_dir = job.output(), project / 'exp'

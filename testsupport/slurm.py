@@ -25,6 +25,7 @@ from pathlib import Path
 
 from testsupport.faults import FAULTY, completed_run_problems, lingering, results_epochs
 from testsupport.jobs import free_port
+from testsupport.injected import Fault, to_env
 from testsupport.trees import KIT, TINY_CFG, cache_dir, file_lock
 
 PACKAGES = ('slurmctld', 'slurmd', 'slurm-client', 'munge')
@@ -289,8 +290,9 @@ def held_first_start(folder: Path, hold_s: float) -> tuple:
     still training when a warning comes whose moment Slurm chooses, however fast this machine runs."""
     folder.mkdir(parents=True, exist_ok=True)
     wrapper = folder / 'torchrun'
-    wrapper.write_text(f'#!/bin/sh\n[ "${{SLURM_RESTART_COUNT:-0}}" = 0 ] && export FAULT=hold:where=step:epoch=1:'
-                       f'step=1:sleep={hold_s}\nPATH="${{PATH#*{os.pathsep}}}" exec torchrun "$@"\n')
+    fault = to_env(Fault('hold', epoch=1, step=1, sleep=hold_s))
+    wrapper.write_text(f'#!/bin/sh\n[ "${{SLURM_RESTART_COUNT:-0}}" = 0 ] && export FAULT=\'{fault}\'\n'
+                       f'PATH="${{PATH#*{os.pathsep}}}" exec torchrun "$@"\n')
     wrapper.chmod(0o755)
     return folder, {'YOLOV9_DDP_ENTRY': str(FAULTY)}
 
@@ -387,10 +389,10 @@ def completed_after_stops_problems(job: SlurmJob, fields: dict, epochs: int, sto
 def resumable_checkpoint_at_requeue(job: SlurmJob, deadline_s: float) -> dict:
     """Once the job script says it requeues the job (its training has ended, the next start has not begun), the
     checkpoint the stop wrote: it must be resumable. Its epoch and EMA update count, for the test to compare."""
-    from yolov9_ddp import checkpoint
+    from yolov9_ddp import checkpoints, files
     job.wait_for(lambda _: REQUEUEING.format(job=job.id) in job.output(), deadline_s, 'requeue itself')
     last = job.run_dir / 'weights' / 'last.pt'
-    saved = checkpoint.load_checkpoint(last, require_resume_state=True)
-    previous = checkpoint.load_checkpoint(checkpoint.previous_path(last))
+    saved = checkpoints.load_checkpoint(last, require_resume_state=True)
+    previous = checkpoints.load_checkpoint(files.previous_path(last))
     return {'epoch': saved['epoch'], 'updates': saved['updates'], 'previous_epoch': previous['epoch'],
             'previous_updates': previous['updates'], 'rows': results_epochs(job.run_dir)}

@@ -17,12 +17,12 @@ from yolov9_ddp.environment import exit_if_unsupported  # noqa: E402
 
 exit_if_unsupported(Path(sys.argv[0]).name)  # a too-old torch or no OpenCV: one line, not upstream's traceback
 
-from yolov9_ddp import checkpoint, cli, comm, data, failures, runs, shutdown  # noqa: E402
+from yolov9_ddp import checkpoints, cli, comm, data, failures, runs, shutdown  # noqa: E402
 from yolov9_ddp.perf import CUBLAS_WORKSPACE  # noqa: E402
 from yolov9_ddp.tasks import TASKS  # noqa: E402
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
-KIT_ERRORS = (cli.UsageError, comm.LaunchError, checkpoint.CheckpointError, comm.PeerFailed, data.DataError,
+KIT_ERRORS = (cli.UsageError, comm.LaunchError, checkpoints.CheckpointError, comm.PeerFailed, data.DataError,
               runs.RunBusy)
 
 
@@ -54,7 +54,8 @@ def fail(script: str, error: Exception) -> int:
     return EXIT_FAILED
 
 
-def main(task_name: str, argv=None, root=None) -> int:
+def main(task_name: str, argv=None, root=None, parts=()) -> int:
+    """parts: called before the run's own at every point of the loop (a test's faults, parts/)."""
     task = TASKS[task_name]
     try:
         opt = cli.parse_args(argv, root, task)
@@ -66,14 +67,14 @@ def main(task_name: str, argv=None, root=None) -> int:
         resumes = opt.resume or opt.auto_resume
         if not resumes:  # a new run's options are its own already: refused before upstream's modules load (4 s)
             device = checked_device(opt, task)
-        from yolov9_ddp import trainer  # upstream's modules
-        plan = trainer.plan_start(opt, cli.given_flags(argv, root, task))  # a resume: opt is the run's from here
+        from yolov9_ddp import build  # upstream's modules
+        plan = build.plan_start(opt, cli.given_flags(argv, root, task))  # a resume: opt is the run's from here
         if resumes:
             device = checked_device(opt, task)
         comm.print_banner(device, opt.device)
         with comm.process_group(device, opt.ddp_timeout):
             try:
-                trainer.train(task, opt, device, plan)
+                build.train(task, opt, device, plan, parts)
             except Exception as e:  # reported before the group is destroyed: a destroy that hangs cannot hide it
                 return outcome(task, opt, e)
     except Exception as e:  # before the process group exists, or from making it

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from yolov9_ddp.files import atomic_write
+
 # how gloo words a peer process that is gone; NCCL's watchdog ends the process itself
 PEER_GONE = ('connection closed by peer', 'connection reset by peer')
 TIMED_OUT = ('timed out', 'timeout')
@@ -33,9 +35,9 @@ REPORTER_WAIT_S = 10  # how long a rank waits for its node's first process to ha
 
 
 def die_with_parent(parent_pid: int):
-    """In a forked loader worker: the kernel SIGKILLs it the moment its trainer dies (Linux), where torch's own
-    watchdog would notice only between batches, at most every 5 s. Workers started by a forkserver or spawn have
-    another parent (the server), so they are left to that watchdog."""
+    """In a forked child (a loader worker, the checkpoint writer): the kernel SIGKILLs it the moment the thread that
+    forked it dies (Linux), where torch's own watchdog would notice a worker's loss only between batches, at most
+    every 5 s. Workers started by a forkserver or spawn have another parent (the server): left to that watchdog."""
     if sys.platform != 'linux' or os.getppid() != parent_pid:
         return
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -169,10 +171,8 @@ def record_for_torchrun(message: str, consequence=False):
     path = os.environ.get('TORCHELASTIC_ERROR_FILE')
     if not path:
         return
-    timestamp = int(time.time()) + (1 if consequence else 0)
-    tmp = Path(f'{path}.{os.getpid()}.tmp')
+    record = json.dumps({'message': message, 'timestamp': str(int(time.time()) + (1 if consequence else 0))})
     try:
-        tmp.write_text(json.dumps({'message': message, 'timestamp': str(timestamp)}))
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # the cause is on stderr as well; a failure to record it must not hide it
+        atomic_write(path, lambda f: f.write(record.encode()))
+    except OSError:  # the cause is on stderr as well; a failure to record it must not hide it
+        pass

@@ -1,7 +1,7 @@
 """The mean losses the training loop's progress bar shows, brought from the GPU without waiting for it."""
 import torch
 
-from yolov9_ddp.checkpoint import queue_host_copies
+from yolov9_ddp.hostcopy import queue_host_copies
 
 PROGRESS_EVERY = 10  # steps between two updates of the progress bar
 

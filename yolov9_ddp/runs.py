@@ -28,7 +28,8 @@ from pathlib import Path
 
 import yaml
 
-from yolov9_ddp.checkpoint import CheckpointError, fsync, previous_path
+from yolov9_ddp.checkpoints import CheckpointError
+from yolov9_ddp.files import atomic_write, previous_path
 
 RUN_RECORD = 'run.json'
 RUN_LOCK = '.lock'
@@ -74,11 +75,8 @@ def read_record(folder: Path) -> dict:
 
 
 def write_record(folder: Path, **fields):
-    record = {**read_record(folder), **fields}
-    tmp = Path(folder) / f'.{RUN_RECORD}.tmp'
-    tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + '\n')
-    os.replace(tmp, Path(folder) / RUN_RECORD)
-    fsync(Path(folder))
+    text = json.dumps({**read_record(folder), **fields}, indent=1, sort_keys=True) + '\n'
+    atomic_write(Path(folder) / RUN_RECORD, lambda f: f.write(text.encode()))
 
 
 def find_job_folder(project: Path, job_id: str):

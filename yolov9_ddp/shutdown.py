@@ -2,9 +2,9 @@
 
 The handler only records the signal. Every step on CPUs, every CHECK_EVERY_CUDA steps on GPUs, all ranks learn,
 in one tiny all_reduce, whether any of them was signalled, so they all stop after the same step, the first
-optimizer-step boundary from there: none is left waiting in a collective for a rank that has gone. Then, where
---save-on-signal asks for it, rank 0 writes a resumable checkpoint of that position (yolov9_ddp.position), and
-the process group is destroyed on the way out (comm.process_group). A second SIGINT (Ctrl-C again) interrupts at
+optimizer-step boundary from there (parts/signals.py): none is left waiting in a collective for a rank that has
+gone. Then, where --save-on-signal asks for it, rank 0 writes a resumable checkpoint of that position, and the
+process group is destroyed on the way out (comm.process_group). A second SIGINT (Ctrl-C again) interrupts at
 once. A second SIGTERM is the same request arriving twice: Slurm signals every process of a job step, and torchrun
 passes the SIGTERM it gets on to its workers, so each worker sees it twice.
 """
@@ -46,13 +46,11 @@ class StopRequest:
         elif signum != signal.SIGTERM:
             raise KeyboardInterrupt  # a second signal: stop now
 
-    def agreed(self, step: int, due: bool = False) -> tuple:
-        """At every check_every-th step, (the signal any rank received or 0, whether any rank finds a checkpoint
-        due); elsewhere (0, False). due: rank 0's clock says --checkpoint-minutes have passed."""
+    def agreed(self, step: int) -> int:
+        """At every check_every-th step, the signal any rank received (or 0); elsewhere 0."""
         if step % self.check_every:
-            return 0, False
-        signum, due = comm.maxima_over_ranks([self.signum or 0, int(due)])
-        return signum, bool(due)
+            return 0
+        return comm.max_over_ranks(self.signum or 0)
 
     def close(self):
         for s, handler in self.previous.items():

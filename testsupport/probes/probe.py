@@ -1,5 +1,6 @@
 """Probes run inside a patched YOLOv9 tree, one process or one per torchrun rank, that drive the real
-yolov9_ddp.trainer.Trainer of a task and report what each rank saw as JSON (written by rank 0).
+yolov9_ddp.trainer.Trainer of a task (built by yolov9_ddp.build) and report what each rank saw as JSON (written by
+rank 0).
 
     python probe.py MODES OUT.json TRAIN_ARGS...         (cwd: the patched tree; PROBE_CONFIG: JSON options,
                                                            'task' among them: a task of yolov9_ddp.tasks)
@@ -24,7 +25,7 @@ import torch.nn as nn  # noqa: E402
 
 from testsupport import imagecache  # noqa: E402
 from utils.dataloaders import LoadImagesAndLabels  # noqa: E402
-from yolov9_ddp import cli, comm, data, failures, trainer as kit_trainer  # noqa: E402
+from yolov9_ddp import build, cli, comm, data, failures  # noqa: E402
 from yolov9_ddp.tasks import TASKS  # noqa: E402
 
 CONFIG = json.loads(os.environ.get('PROBE_CONFIG') or '{}')
@@ -79,10 +80,11 @@ def probe_steps(trainer):
     SyncBatchNorm) shares either. The trainer's own state is restored afterwards, for the probes that follow. The
     parameters after each step go to OUT.params-rankR.pt ({name: {parameter: float64 tensor}}), named in the report.
     """
-    kept = trainer.accumulate, trainer.last_opt_step, trainer.warmup_iters
+    run = trainer.state
+    kept = run.accumulate, run.last_opt_step, trainer.warmup_iters
     init = torch.load(CONFIG['weights'], map_location='cpu', weights_only=False)['model'].float().state_dict()
     observed = {name: one_step(trainer, init, step['indices'], step['micro']) for name, step in CONFIG['steps'].items()}
-    trainer.accumulate, trainer.last_opt_step, trainer.warmup_iters = kept
+    run.accumulate, run.last_opt_step, trainer.warmup_iters = kept
     trainer.optimizer.state.clear()
     params = OUT.with_name(f'{OUT.stem}.params-rank{trainer.rank}.pt')  # a binary file: JSON took seconds a job
     torch.save({name: step.pop('params') for name, step in observed.items()}, params)
@@ -101,7 +103,7 @@ def one_step(trainer, init: dict, indices: list, micro: int) -> dict:
     dataset, collate = trainer.val_loader.dataset, task.collate(quad=False)
     world, rank = trainer.world, trainer.rank
     per_rank, size = micro // world, len(indices) // micro
-    trainer.accumulate, trainer.last_opt_step, trainer.warmup_iters = per_rank, -1, -1
+    trainer.state.accumulate, trainer.state.last_opt_step, trainer.warmup_iters = per_rank, -1, -1
     grads_after_first = None
     for step in range(per_rank):
         first = (rank * per_rank + step) * size
@@ -118,21 +120,16 @@ def one_step(trainer, init: dict, indices: list, micro: int) -> dict:
 
 
 def probe_ema(trainer):
-    """EMA and BatchNorm statistics around the per-epoch synchronisation, for each epoch."""
+    """EMA and BatchNorm statistics around each epoch's end (parts/epoch_end.py), where they are synchronised."""
     seen = []
-    original = kit_trainer.synchronize_ema
-
-    def recording(ema, model):
-        before = first_norm(model).running_mean.tolist()
-        original(ema, model)
-        seen.append({'ema_hash': state_hash(ema.ema), 'bn_before': before,
-                     'bn_after': first_norm(model).running_mean.tolist(),
-                     'ema_updates': ema.updates})
-
-    kit_trainer.synchronize_ema = recording
     for epoch in range(trainer.opt.epochs):
-        mloss = trainer.train_epoch(epoch)
-        trainer.end_epoch(epoch, mloss, [g['lr'] for g in trainer.optimizer.param_groups])
+        trainer.train_epoch(epoch)
+        trainer.trained_s, trainer.lr = 1.0, [g['lr'] for g in trainer.optimizer.param_groups]
+        before = first_norm(trainer.raw_model).running_mean.tolist()
+        trainer.call('after_epoch', epoch)
+        seen.append({'ema_hash': state_hash(trainer.ema.ema), 'bn_before': before,
+                     'bn_after': first_norm(trainer.raw_model).running_mean.tolist(),
+                     'ema_updates': trainer.ema.updates})
     return {'epochs': seen}
 
 
@@ -232,12 +229,15 @@ def main():
     count_cache_builds()
     count_decodes()
     opt = cli.parse_args(argv, ROOT, TASK)
-    plan = kit_trainer.plan_start(opt)
+    plan = build.plan_start(opt)
     cli.check_options(opt, comm.launched_world_size(), TASK)
     device = comm.select_device(opt.device)
     with comm.process_group(device, 300):
-        trainer = kit_trainer.prepare_trainer(TASK, opt, device, plan)
-        observed = comm.all_gather_object({mode: PROBES[mode](trainer) for mode in modes})
+        trainer = build.prepare(TASK, opt, device, plan)
+        try:
+            observed = comm.all_gather_object({mode: PROBES[mode](trainer) for mode in modes})
+        finally:
+            trainer.close()
         if comm.is_primary():
             out.write_text(json.dumps({'ranks': observed, 'world': trainer.world}))
 

@@ -1,0 +1,45 @@
+"""The end of training: the last write completes; rank 0 strips last.pt and best.pt as upstream's script leaves
+them and marks the run finished (only then: a restart before it resumes from last.previous.pt); every rank
+validates best.pt with plots, and the final line names its metrics."""
+import filecmp
+
+from utils.general import LOGGER, colorstr
+from yolov9_ddp import comm, runs
+from yolov9_ddp.checkpoints import copy_file, load_checkpoint, load_everywhere
+from yolov9_ddp.files import previous_path
+from yolov9_ddp.parts import Part
+
+
+class Finish(Part):
+    def after_train(self, trainer):
+        last, best = trainer.last, trainer.best
+        if trainer.primary:
+            trainer.checkpoints.wait()
+            strip_final_checkpoints(trainer)
+            runs.write_record(trainer.save_dir, finished=True)
+            previous_path(last).unlink(missing_ok=True)
+        if comm.broadcast_object(best.exists()):
+            saved = load_everywhere(lambda: load_checkpoint(best))
+            model = saved['model'].to(trainer.device).float().fuse().eval()
+            LOGGER.info(f'\nValidating {best}...')
+            trainer.results, _, _ = trainer.validate(model.half() if trainer.amp else model,
+                                                     plots=not trainer.opt.noplots)
+        trainer.callbacks.run('on_train_end', last, best, trainer.state.epoch - 1, trainer.results)
+        LOGGER.info(f'{colorstr("bold", "Final:")} {trainer.task.summary(trainer.results)}  ({best})')
+
+
+def strip_final_checkpoints(trainer):
+    """Upstream's stripped last.pt and best.pt (train.py and train_triple.py name them *_striped.pt, the others strip
+    in place); where best.pt is the last epoch's checkpoint (the same bytes), its stripped file is a copy of
+    last.pt's, not loaded and stripped again."""
+    last, best, stripped = trainer.last, trainer.best, trainer.task.stripped
+    best_is_last = last.exists() and best.exists() and filecmp.cmp(last, best, shallow=False)
+    for source in (last, best):
+        if not source.exists():
+            continue
+        if source == best and best_is_last:
+            copy_file(stripped(last), stripped(best))
+        else:
+            trainer.checkpoints.strip(source, stripped(source))
+        size = stripped(source).stat().st_size / 1E6
+        LOGGER.info(f'Optimizer stripped from {source}, saved as {stripped(source)}, {size:.1f}MB')
