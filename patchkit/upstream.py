@@ -3,7 +3,7 @@
 Either way every file is checked against the blob ids of patches/UPSTREAM before the folder is
 handed over, so a rebuilt tree is byte-identical to the pinned commit wherever it has a file.
 
-The rebuild uses two wheels that carry copies of upstream (see ../shared/upstream/README.md):
+The rebuild uses two wheels that carry copies of upstream:
 yolov9py (every .py file of an earlier commit, with module names prefixed by `yolov9.`) and
 yolo9 (the model and data .yaml files). The few known differences between those copies and the
 pin are undone by the small, named repairs below; the blob check proves each repair right.

@@ -86,8 +86,7 @@ def test_the_pin_is_named_only_in_patches_upstream(pin):
     offenders = []
     for name in filter(None, tracked):
         path = KIT / name
-        # bench/results-raw/ keeps what past runs printed, the revision they ran on included
-        if name == 'patches/UPSTREAM' or name.startswith('bench/results-raw/') or not path.is_file():
+        if name == 'patches/UPSTREAM' or not path.is_file():
             continue
         data = path.read_bytes()
         if b'\0' in data:  # binary
@@ -359,8 +358,8 @@ def test_refuses_a_touched_file_that_differs_from_the_pin(pin, pristine_tree):
 
 
 def test_local_edits_in_a_git_clone_are_merged_and_given_back(pristine_tree):
-    # This used to be refused ("commit or stash your edits"), a dead end: after stash and apply, `git stash pop`
-    # conflicts. The clone holds the pinned blobs, so the edit is merged in (the cases: tests/test_clone.py).
+    # Refusing ("commit or stash your edits") would be a dead end: after stash and apply, `git stash pop` conflicts.
+    # The clone holds the pinned blobs, so the edit is merged in (the cases: tests/test_clone.py).
     make_git_repo(pristine_tree)
     general = pristine_tree / 'utils' / 'general.py'
     with open(general, 'a') as f:

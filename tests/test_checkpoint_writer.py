@@ -170,7 +170,7 @@ class ReadsBack(TorchFunctionMode):
 
 def test_the_training_threads_half_of_a_checkpoint_reads_nothing_back_and_the_file_holds_what_it_did():
     """The rank's own statistics and the grad scaler's state go into the queued copy as copies on their device
-    (state.rank_state, hostcopy.scaler_state): read with .cpu() and .item(), each was a wait for the GPU."""
+    (state.rank_state, hostcopy.scaler_state): read with .cpu() or .item(), each would be a wait for the GPU."""
     state, _ = training_state()
     model, ema, mean_loss = state['model'], state['ema'], torch.tensor([1.5, 2.5, 0.5])
     scaler = torch.amp.GradScaler('cpu', init_scale=1024.0, growth_interval=3)

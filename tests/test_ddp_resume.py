@@ -1,6 +1,6 @@
 """Rank-0 atomic checkpoints, --resume under torchrun, the automatic resume after torchrun restarts
-workers that were killed (--max-restarts), and which options a resume takes from the run (issue 21; a resume on
-another number of processes with the run's own options is a job of tests/test_same_run.py)."""
+workers that were killed (--max-restarts), and which options a resume takes from the run (a resume on another
+number of processes with the run's own options is a job of tests/test_same_run.py)."""
 import io
 import os
 import shutil
@@ -190,7 +190,7 @@ def test_restart_of_a_finished_job_does_not_train_again(patched_tree, dataset, t
     assert [p.name for p in project.iterdir()] == ['exp']
 
 
-# -- the run's own options, on any number of processes (issue 21: the world size belongs to a start) ---------------
+# -- the run's own options, on any number of processes (the world size belongs to a start) -------------------------
 
 def test_a_global_batch_names_the_process_counts_it_splits_over():
     assert cli.divisors(12) == [1, 2, 3, 4, 6, 12] and cli.divisors(7) == [1, 7] and cli.divisors(1) == [1]

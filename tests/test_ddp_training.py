@@ -92,10 +92,10 @@ def test_label_cache_is_built_by_rank_0_only(sampler_run):
 
 # -- every training flag of train_dual.py, trained on 2 processes ---------------------------------------------------
 
-# test_ddp_cli proves they parse as upstream's; here each set trains both epochs to a completed run. Until
-# 2026-12-05 no training ran --rect or --quad on 2 processes, and both failed there: --rect's ranks had unequal
-# numbers of batches and aborted in a collective, --quad's collate_fn4 got a last share of 2 images (45 images,
-# global batch 8: its last batch of 5) and made none. --sync-bn is CUDA's only (the kit leaves it off on CPUs).
+# test_ddp_cli proves they parse as upstream's; here each set trains both epochs to a completed run. --rect and
+# --quad need the split right on 2 processes: ranks with unequal numbers of batches abort in a collective, and
+# --quad's collate_fn4 makes no image of a share under 4 (45 images, global batch 8: a last batch of 5).
+# --sync-bn is CUDA's only (the kit leaves it off on CPUs).
 FLAG_SETS = {
     'quad': ['--quad', '--freeze', 1, '--cos-lr', '--label-smoothing', 0.1, '--close-mosaic', 1, '--min-items', 1,
              '--single-cls', '--optimizer', 'Adam', '--patience', 3, '--sync-bn'],

@@ -1,5 +1,6 @@
 """yolov9_ddp.failures: the one-line causes, the record torchrun reads, and the ways loader workers are ended
-(issue 11). The jobs that prove the whole chain are in test_faults.py; these are the fast, focused checks."""
+(a killed loader worker must not hang the job). The jobs that prove the whole chain are in test_faults.py; these are
+the fast, focused checks."""
 import json
 import os
 import signal
@@ -224,8 +225,8 @@ END_PROCESS = '''
 @pytest.mark.parametrize('status', [0, 3])
 def test_a_finished_entry_point_ends_without_the_interpreter_teardown_but_with_everything_before_it(tmp_path, status):
     """failures.end_process: main()'s status, the threads joined, the atexit handlers run and the output flushed;
-    after a success nothing freed by the interpreter's teardown runs (where a C++ destructor aborted a finished rank
-    in CI); after a failure the teardown stays (it gives rank 0 the time to print the error line, see end_process)."""
+    after a success nothing freed by the interpreter's teardown runs (a C++ destructor there can abort a finished
+    rank); after a failure the teardown stays (it gives rank 0 the time to print the error line, see end_process)."""
     result = subprocess.run([sys.executable, '-c', textwrap.dedent(END_PROCESS), str(KIT), str(tmp_path), str(status)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == status, result.stderr

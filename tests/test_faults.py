@@ -116,7 +116,7 @@ def test_a_kill_while_the_final_checkpoint_is_stripped_leaves_a_loadable_last_pt
     assert not kill_chain.problems, kill_chain.describe()
 
 
-# -- 1b. killed loader workers, a failure on one rank (issue 11: these used to hang the job) ---------------------------
+# -- 1b. killed loader workers, a failure on one rank (neither may hang the job) ---------------------------------------
 
 @pytest.fixture(scope='module')
 def worker_kill_chain(patched_tree, dataset, tmp_path_factory):

@@ -293,7 +293,7 @@ def test_0006_average_precision_is_integrated_with_trapezoid_on_numpy_2(tree_wit
 
 
 def test_0006_average_precision_is_integrated_with_trapz_on_numpy_1(patched_tree, offline_env):
-    # np.trapezoid alone would fail here ("module 'numpy' has no attribute 'trapezoid'"), as 0006 once did.
+    # np.trapezoid alone would fail here ("module 'numpy' has no attribute 'trapezoid'"): 0006 must fall back.
     code = NUMPY_1 + AVERAGE_PRECISION + 'assert len(calls) == 1, calls\nprint("ok")\n'
     result = probe(patched_tree, code, offline_env)
     assert_works(result)
@@ -508,7 +508,7 @@ print('ok')
 
 def test_0014_a_plot_drawn_in_a_thread_is_written_before_the_process_exits(tree_without, patched_tree, offline_env,
                                                                           tmp_path):
-    # upstream's @threaded plot functions ran in daemon threads, abandoned (or aborting the process) at exit
+    # upstream's @threaded plot functions run in daemon threads, abandoned (or aborting the process) at exit
     code = '''
 import sys, time
 from pathlib import Path
@@ -533,7 +533,7 @@ print('ok')
 @pytest.mark.slow
 @pytest.mark.one_core
 def test_0015_seaborn_is_imported_only_to_plot_the_labels(tree_without, patched_tree, offline_env, tmp_path):
-    # models.yolo imports utils.plots, which imported seaborn (and scipy with it): 1.8 s of every process's start
+    # models.yolo imports utils.plots, which in upstream imports seaborn (and scipy with it) at every process's start
     code = '''
 import sys
 from pathlib import Path
@@ -664,8 +664,8 @@ def first_reads(where: str) -> dict:
 @pytest.mark.slow
 def test_0016_detection_losses_reach_their_assigner_without_waiting_for_the_gpu(tree_without, patched_losses,
                                                                                 offline_env):
-    # the image size was a blocking copy, and so was its (w, h, w, h) by a list index; make_anchors'
-    # torch.full(..., GPU stride) read each stride, and preprocess() tested, indexed and sliced by GPU counts for each
+    # without 0016 the image size is a blocking copy, and so is its (w, h, w, h) by a list index; make_anchors'
+    # torch.full(..., GPU stride) reads each stride, and preprocess() tests, indexes and slices by GPU counts for each
     # image: about 100 waits a step, each leaving the GPU idle. The first of them is the image size's copy.
     without = losses(tree_without(16), offline_env)
     assert without['reads'] == first_reads('{file}.py:__call__')
@@ -676,8 +676,9 @@ def test_0016_detection_losses_reach_their_assigner_without_waiting_for_the_gpu(
 @pytest.mark.slow
 def test_0017_detection_losses_wait_for_the_gpu_only_in_their_box_losses_masked_select(tree_without, patched_losses,
                                                                                       offline_env):
-    # the assigner copied the GPU labels into a host index and tested fg_mask.max(); the loss compared its divisor
-    # with 1 and tested fg_mask.sum() in Python: waits before the box loss, which now runs whatever the foreground
+    # without 0017 the assigner copies the GPU labels into a host index and tests fg_mask.max(), the loss compares its
+    # divisor with 1 and tests fg_mask.sum() in Python: waits before the box loss, which 0017 runs whatever the
+    # foreground
     without = losses(tree_without(17), offline_env)
     assert without['reads'] == first_reads('assigner.py:get_box_metrics')
     assert patched_losses['reads'] == first_reads('{file}.py:forward')  # BboxLoss's masked_select
@@ -740,8 +741,9 @@ def padding(tree: Path, env: dict) -> dict:
 @pytest.mark.slow
 def test_0018_detection_losses_pad_a_batchs_targets_in_operators_as_many_whatever_its_images_with_the_same_numbers(
         tree_without, patched_tree, offline_env):
-    # preprocess() padded the targets one image at a time, about 9 operators an image the host dispatched (and on a
-    # GPU three waits an image); now the whole batch at once: the same padded targets, in the loader's order or not
+    # without 0018 preprocess() pads the targets one image at a time, about 9 operators an image the host dispatches
+    # (and on a GPU three waits an image); 0018 pads the whole batch at once: the same padded targets, in the loader's
+    # order or not
     without, patched = padding(tree_without(18), offline_env), padding(patched_tree, offline_env)
     assert patched['padded'] == without['padded']
     for loss in {case.rsplit(' ', 1)[0] for case in patched['operators']}:
@@ -785,7 +787,7 @@ print(json.dumps({'upstream': numbers(False), 'dense': numbers(True)}))
 @pytest.mark.slow
 def test_the_lever_dense_box_loss_stays_finite_in_float16(patched_tree, offline_env):
     # the background's terms are weighted by zero, which keeps them out only while they are finite: a background
-    # anchor's prediction against itself gave CIoU an infinite or NaN alpha in float16 (the loss was NaN on an H100)
+    # anchor's prediction against itself gives CIoU an infinite or NaN alpha in float16 (a NaN loss on a GPU)
     result = probe(patched_tree, DENSE_BOX_LOSS_IN_HALF, offline_env)
     assert result.returncode == 0, describe(result)
     found = json.loads(result.stdout.strip().splitlines()[-1])

@@ -37,8 +37,8 @@ def train(optimizer, params, scaler, losses):
 
 
 def test_fused_sgd_matches_upstream_sgd_when_amp_skips_the_first_step():
-    # The first step overflows (the scaler skips it), as AMP's first steps often do; torch's fused SGD then
-    # kept its uninitialised momentum buffers and wrote garbage into the weights on the next step.
+    # The first step overflows (the scaler skips it), as AMP's first steps often do; torch's fused SGD can then
+    # keep its uninitialised momentum buffers and write garbage into the weights on the next step.
     torch.manual_seed(0)
     start = [torch.randn(64) for _ in range(3)]
     results = []
@@ -64,8 +64,9 @@ DEVICES = ['cpu', *(['cuda'] if torch.cuda.is_available() else [])]
 @pytest.mark.parametrize('validated_between', [False, True])
 def test_ema_multi_tensor_update_is_upstreams_bit_for_bit(validated_between, device):
     """validated_between: val_dual's model.half() then model.float() (CUDA, AMP) replace the EMA's tensors; the
-    updates after it must still move the EMA (they did not: the EMA stayed frozen after the first validation).
-    Bit for bit, as --deterministic keeps the multi-tensor update (a lerp differed in the last bits)."""
+    updates after it must still move the EMA (an update of the replaced tensors would leave it frozen after the
+    first validation). Bit for bit, as --deterministic keeps the multi-tensor update (a lerp differs in the last
+    bits)."""
     from utils.torch_utils import ModelEMA
     from yolov9_ddp.ema import EmaUpdater
     torch.manual_seed(0)
@@ -263,7 +264,7 @@ def test_a_run_trained_with_cuda_graphs_resumes_on_cpus_without_them(tmp_path, m
 @pytest.mark.usefixtures('upstream_importable')
 def test_autobatch_measures_with_cudnn_benchmark_off_and_turns_it_on_again(monkeypatch):
     """Upstream's autobatch() answers 16 without measuring while cudnn.benchmark is on, and it is the kit's
-    default: --batch-size -1 did nothing on a GPU."""
+    default: unless it is off while AutoBatch measures, --batch-size -1 does nothing on a GPU."""
     from yolov9_ddp import build
     measured_with = []
     monkeypatch.setattr(build, 'check_train_batch_size',

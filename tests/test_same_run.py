@@ -1,4 +1,4 @@
-"""The same run, every time (issue 21; yolov9_ddp.stream and yolov9_ddp.position). With --deterministic, the weights
+"""The same run, every time (yolov9_ddp.stream and yolov9_ddp.state). With --deterministic, the weights
 an uninterrupted 2-process run ends with (model, EMA and optimizer state, compared bit for bit) are those of the
 same run
   - stopped by SIGTERM three times, at steps inside epochs, and resumed each time (--save-on-signal, --resume);
@@ -72,9 +72,9 @@ def when_saved(job: Job, run_dir: Path, at_least: list, act):
 
 def held(epoch: int, step: int, ranks=range(2)) -> list:
     """The faults (faulty_train.py) that hold those ranks before training step `step` of `epoch` until they are asked
-    to stop or killed, so that a stop or a kill comes right there. (A SIGTERM sent once run.json recorded a step came
-    1 to 4 steps later on a loaded machine, and the next start then found that position recorded and was signalled
-    before it had begun.)"""
+    to stop or killed, so that a stop or a kill comes right there. (A SIGTERM sent once run.json records a step can
+    come 1 to 4 steps later on a loaded machine, and the next start would then find that position recorded and be
+    signalled before it has begun.)"""
     return [Fault('hold', rank=rank, epoch=epoch, step=step, sleep=DEADLINE_S) for rank in ranks]
 
 
@@ -161,8 +161,8 @@ def test_an_elastic_job_that_loses_an_agent_goes_on_with_the_one_left(patched_tr
     checkpoint, at its step, on 1 process, to the end."""
     project, endpoint = tmp_path / 'runs', f'127.0.0.1:{free_port()}'
     # A lost agent is noticed within seconds, not torchrun's 30+. The last call waits 10 s for the second agent
-    # (2 s were too short on a loaded machine: the first agent began alone, then restarted to take the late one
-    # in, and that second rendezvous of both hung in torch's role exchange until its 60 s timeout).
+    # (with 2 s on a loaded machine the first agent can begin alone, then restart to take the late one in, and that
+    # second rendezvous of both hangs in torch's role exchange until its 60 s timeout).
     rendezvous = ['--max-restarts', 1, '--rdzv-conf',
                   'join_timeout=60,last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3']
     script = [FAULTY, *args(data, project, '--checkpoint-steps', 1)]
@@ -206,8 +206,8 @@ def test_a_run_continues_on_3_processes_and_on_2_again_training_every_image_once
     start is `torchrun --nproc_per_node W ddp_train_dual.py --resume last.pt`, nothing else: the run's own batch,
     device, data and epochs (opt.yaml). 5 processes cannot split 12 images and are refused before anything is
     written (shown with the shuffled stream only: the refusal comes before any batch is drawn). With --rect
-    (upstream's fixed batches, in the dataset's order) as with the shuffled stream; before, its 3-process start
-    aborted in a collective: each rank took a contiguous run of per-rank batches, 10 batches of 4 split 3, 3 and 4."""
+    (upstream's fixed batches, in the dataset's order) as with the shuffled stream: each global batch is split over
+    the ranks (contiguous runs of per-rank batches, 10 batches of 4 split 3, 3 and 4, would abort in a collective)."""
     project, records = tmp_path / 'runs', tmp_path / 'records'
     records.mkdir()
     run_dir, last = project / 'exp', project / 'exp' / 'weights' / 'last.pt'
@@ -246,7 +246,7 @@ def test_image_weights_draw_the_same_images_with_loader_workers_as_without(patch
     """--image-weights (one process): the training process draws each epoch's images by their weights (upstream's
     dataset.indices); loader workers that lived across epochs would keep the draw of the epoch they started in. With
     2 workers the run trains the images it trains with none, epoch by epoch. Its jobs, one process forked by the test
-    launcher with loader workers, hung at the first batch before forked.release_libuv_signal_pipe.
+    launcher with loader workers, would hang at the first batch without forked.release_libuv_signal_pipe.
     Also: --batch-size -1 (AutoBatch, one process) trains at the batch it chooses (on CPUs upstream's default, 16)
     and records it as the run's batch in opt.yaml, so that a resume keeps it rather than sizing again."""
     trained = {}

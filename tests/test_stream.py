@@ -54,8 +54,9 @@ def test_global_batch_k_holds_the_same_images_on_any_number_of_processes_that_di
 def test_rect_global_batch_k_is_the_datasets_batch_k_on_any_number_of_processes(world):
     """--rect (shuffle=False): global batch k holds the dataset's images [12k, 12k + 12) on any number of processes,
     in every epoch (upstream's dataset, built with the global batch, gives them one shape), and every rank has the
-    same number of steps. Before, each rank took a contiguous run of per-rank batches: 36 images in batches of 4 on
-    2 ranks gave one 4 steps and the other 5, and the job aborted in a collective the first never joined."""
+    same number of steps. A contiguous run of per-rank batches for each rank would not do: 36 images in batches of 4
+    on 2 ranks would give one 4 steps and the other 5, and the job would abort in a collective the first never
+    joins."""
     for epoch in (0, 1):
         steps = epoch_batches(45, 12, world, epoch, shuffle=False)
         assert [sorted(i for share in step for _, i in share) for step in steps] == [
@@ -66,8 +67,8 @@ def test_rect_global_batch_k_is_the_datasets_batch_k_on_any_number_of_processes(
                                                           (45, 16, 2, 3), (37, 8, 1, 5), (35, 8, 1, 4)])
 def test_quad_leaves_out_a_last_global_batch_that_gives_a_rank_fewer_than_four_images(num_images, batch, world,
                                                                                       steps):
-    """upstream's collate_fn4 makes one image of each four and failed on a share of fewer (36 images, global batch
-    8 on 2 processes: the last batch gave each 2); every other image trains once per epoch."""
+    """upstream's collate_fn4 makes one image of each four and fails on a share of fewer (36 images, global batch
+    8 on 2 processes: the last batch would give each 2); every other image trains once per epoch."""
     batches = epoch_batches(num_images, batch, world, epoch=1, quad=True)
     assert len(batches) == steps and min(len(share) for step in batches for share in step) >= QUAD
     trained = [index for step in batches for share in step for _, index in share]

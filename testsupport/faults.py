@@ -426,7 +426,7 @@ def failure_scenario(tree, data, workdir: Path, fault: str, fragments, nproc=2, 
     """A job without restarts in which one rank fails as `fault` says (a killed loader worker, an exception): it
     must end within `deadline` seconds with a non-zero status, exactly one error line naming every fragment (and
     the surviving ranks' lines about the failed peer), torchrun's summary showing that cause, and no process of
-    the job left. Without the fix of issue 11 the job hung until its --ddp-timeout."""
+    the job left: a surviving rank must not wait out its --ddp-timeout."""
     job = start_job(faulty_torchrun(nproc, fault_args(data, workdir / 'runs', FAULT_EPOCHS, *WORKERS)), tree,
                     workdir, 'job', fault)
     job.wait(deadline)

@@ -6,7 +6,7 @@ Slurm commands through SLURM_CONF), state, spool and logs. Its ports are free on
 so it meets no other cluster on the machine. The node has two fake GPUs (gres backed by /dev/null and /dev/zero):
 the job scripts' GPU arithmetic runs as on a GPU node while the training itself uses --device cpu.
 
-Settings from issue 14: AuthInfo cred_expire=5 and SchedulerParameters bf_interval=1,sched_interval=1 start a
+Two settings keep the tests fast: AuthInfo cred_expire=5 and SchedulerParameters bf_interval=1,sched_interval=1 start a
 requeued job again within seconds instead of two minutes. Slurm checks time limits, and sends --signal warnings,
 only every 30 s: a test cannot choose the moment of a time-limit warning, so its job holds its first start in
 training until the warning comes (held_first_start()).

@@ -11,8 +11,7 @@
 # proxy that drops those headers it keeps nothing, and every new venv downloads torch 2.4's 3 GB of wheels again.
 # pip's HTTP cache is left out (--no-cache-dir): beside the kept wheels it would be a second copy of them.
 # Under CI (CI set, a fresh machine that builds each venv once) nothing is kept: pip installs from the registries
-# straight into the venv, so that the two CUDA venvs need their 12 GB installed and not twice that on a shared disk
-# (CI ran out of space with the kept wheels and pip's cache beside them).
+# straight into the venv, so that the two CUDA venvs need their 12 GB installed and not twice that on a shared disk.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=$1
