@@ -1,7 +1,8 @@
 """The README is a front page of at most 8,000 bytes and docs/ a manual of at most 80,000; every local link in them
 resolves (the file exists, and a #fragment names a heading of the target by GitHub's slug rules); and they tell no
-story of how the work on the kit was organised. Text only, no subprocesses."""
+story of how the work on the kit was organised, nor does the code. Text only, besides one `git ls-files`."""
 import re
+import subprocess
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -28,8 +29,36 @@ CODE_SPAN = re.compile(r'(`+)(?!`).+?(?<!`)\1(?!`)', re.S)
 TARGETS = (re.compile(r'\]\(\s*<?([^)\s>]*)>?(?:\s+"[^"]*")?\s*\)'),  # [text](target "title"), images too
            re.compile(r'^ {0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)', re.M),  # [ref]: target
            re.compile(r'\bhref="([^"]*)"'))
+# The code tells no such story either: its comments and docstrings say why, in the present tense. Every tracked file
+# of these kinds (and a script without a suffix, such as .ci/run) outside patches/, and the DEP-3 header of each patch
+# (the diff below it is upstream's code); not this file, which quotes the patterns.
+CODE_SUFFIXES = {'.py', '.sh', '.sbatch', '.yml', '.yaml', '.toml', '.ini', '.txt'}
+DEP3_HEADER_END = re.compile(r'^---$', re.M)
+
 HEADING = re.compile(r'^ {0,3}#{1,6}[ \t]+(.*?)(?:[ \t]+#+)?[ \t]*$', re.M)
 EXTERNAL = re.compile(r'^([a-z][a-z0-9+.-]*:|//)', re.I)  # https:, mailto:, ...
+
+
+def tracked_code() -> list:
+    """The kit's tracked files that the work-log rule covers, relative to the kit ([] outside a git checkout)."""
+    listed = subprocess.run(['git', 'ls-files', '-z'], cwd=str(KIT), capture_output=True)
+    names, files = (listed.stdout.decode().split('\0') if listed.returncode == 0 else []), []
+    for name in filter(None, names):
+        path = KIT / name
+        if not path.is_file() or path == Path(__file__).resolve():
+            continue
+        if name.startswith('patches/'):
+            if name.count('/') == 1 and name.endswith('.patch'):
+                files.append(name)
+        elif path.suffix in CODE_SUFFIXES or (not path.suffix and path.read_bytes().startswith(b'#!')):
+            files.append(name)
+    return files
+
+
+def code_text(name: str) -> str:
+    """What the rule reads of a tracked file: all of it, or a patch's DEP-3 header (up to its `---` line)."""
+    text = (KIT / name).read_text(encoding='utf-8')
+    return DEP3_HEADER_END.split(text, 1)[0] if name.endswith('.patch') else text
 
 
 def prose(text: str) -> str:
@@ -96,6 +125,12 @@ def work_log(text: str) -> list:
 def test_no_page_tells_how_the_work_was_organised(page):
     found = work_log(page.read_text(encoding='utf-8'))
     assert not found, f'{page.relative_to(KIT)} tells how the work was organised (history: CHANGELOG.md): {found}'
+
+
+@pytest.mark.parametrize('name', tracked_code())
+def test_no_code_tells_how_the_work_was_organised(name):
+    found = work_log(code_text(name))
+    assert not found, f'{name} tells how the work was organised: say why, in the present tense, instead of {found}'
 
 
 def test_the_work_log_pattern_tells_references_from_accounts():
