@@ -34,12 +34,11 @@ def test_a_state_resumes_at_its_position_with_its_counters_and_says_so_in_one_li
     assert resumed.describe(250, 'last.pt') == 'resuming epoch 3 at step 7 of 250 from last.pt'
 
 
-def test_a_checkpoint_without_a_position_resumes_at_the_next_epoch_and_says_why():
+def test_a_checkpoint_without_a_position_as_upstreams_resumes_at_the_next_epoch_and_says_why():
     resumed = run_state()
     resumed.load_state_dict({'epoch': 4, 'updates': 9}, 'old.pt')
     assert (resumed.epoch, resumed.step, resumed.recorded) == (5, 0, False)
-    assert resumed.describe(250, 'old.pt') == ('resuming epoch 5 at its start: old.pt is a checkpoint of an earlier '
-                                               'kit, which records no step')
+    assert resumed.describe(250, 'old.pt') == 'resuming epoch 5 at its start: old.pt records no step'
 
 
 @pytest.mark.parametrize('images, batch, fragment', [

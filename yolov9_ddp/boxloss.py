@@ -1,11 +1,9 @@
 """The switch dense_box_loss: upstream's detection box loss (BboxLoss of utils/loss_tal*.py) over every anchor, the
 background's terms weighted by zero, instead of over the foreground anchors that torch.masked_select picks out.
 
-masked_select's output has as many elements as the mask has true ones, a number the host must read before it can
-allocate the output: a wait for the GPU, five a box loss, two or three box losses a step. After patches 0016 and 0017
-(with the targets left on the host, Trainer.loss_targets) they are the detection loss's only waits, and each one empties the GPU's queue, so the host
-cannot issue the rest of the step ahead of the GPU. Over every anchor the loss has the same terms, but its sums
-run over more elements in another order, so its last bits differ from upstream's: --deterministic turns it off.
+masked_select's size is read by the host before it can allocate: a wait for the GPU, five a box loss. With patches
+0016 and 0017 (the targets padded on the host, Trainer.loss_targets) they are the detection loss's only waits. Over
+every anchor the sums run in another order, so the last bits differ from upstream's: --deterministic turns it off.
 """
 import types
 
@@ -42,10 +40,9 @@ def dense_forward(self, pred_dist, pred_bboxes, anchor_points, target_bboxes, ta
 def background_stand_ins(foreground, pred_bboxes, target_bboxes) -> tuple:
     """pred_bboxes and target_bboxes (x1, y1, x2, y2), each background anchor's pair replaced by two fixed boxes,
     (0, 0, 1, 1) and (0, 0, 2, 2), whose CIoU terms are finite: a zero weight keeps a term out of the sum only if it
-    is finite (0 * inf is NaN). Upstream's target there may be a padded box of zero size, and a prediction against
-    itself is no better: with the prediction in float16 (autocast) and the target in float32, its IoU can round to 1
-    or above, and CIoU's alpha = v / (v - iou + 1 + eps) divides by zero (a NaN loss on an H100). The background's
-    gradient stops at torch.where, exactly zero. Foreground values pass unchanged, in their own dtypes."""
+    is finite (0 * inf is NaN): upstream's target there may be a padded box of zero size, and a float16 prediction
+    against itself can round its IoU to 1, where CIoU's alpha divides by zero. The background's gradient stops at
+    torch.where; foreground values pass unchanged, in their own dtypes."""
     unit_box = torch.arange(4, device=pred_bboxes.device) // 2  # (0, 0, 1, 1)
     return (torch.where(foreground, pred_bboxes, unit_box.to(pred_bboxes.dtype)),
             torch.where(foreground, target_bboxes, 2 * unit_box.to(target_bboxes.dtype)))

@@ -1,13 +1,11 @@
 """Checkpoints: written whole or not at all (files.atomic_write), off the training thread, and read back with a clear
-error when they are not usable.
+error when they are not usable. Their format is upstream's (its val_dual.py, detect_dual.py and attempt_load() read
+the kit's files), plus what an exact resume needs (state.py).
 
-A checkpoint's format is upstream's (the model objects are pickled, so upstream's
-val_dual.py, detect_dual.py and attempt_load() read the kit's files), plus what an exact resume needs (state.py).
-
-Rank 0's Checkpoints writes every last.pt (at an epoch's end, every --checkpoint-steps or --checkpoint-minutes, on a
-signal), keeping the one it replaces as last.previous.pt, and best.pt and epochN.pt as copies of an epoch's last.pt.
-The training thread queues a host copy between two steps (hostcopy.QueuedHostCopy) and goes on; a writer thread
-hands it to the writer process (writer.py), one write at a time, as torchtitan's asynchronous checkpoints.
+Rank 0's Checkpoints writes every last.pt (an epoch's end, --checkpoint-steps or --checkpoint-minutes, a signal),
+keeping the one it replaces as last.previous.pt, and best.pt and epochN.pt as copies of an epoch's last.pt: the
+training thread queues a host copy (hostcopy.py) and goes on, and a writer thread hands it to the writer process
+(writer.py), one write at a time, as torchtitan's asynchronous checkpoints.
 """
 import pickle
 import shutil
@@ -127,15 +125,10 @@ class QueuedCheckpoint(QueuedHostCopy):
 
 
 class Checkpoints:
-    """Rank 0's writer of a run's checkpoints: one write at a time, in a background thread, so that a slow disk
-    never stalls training (and with it every rank, at the next collective).
-
-    save(skip_if_busy=True) is a periodic checkpoint: a write still running when it is due makes it skipped, with
-    one line, as the next due one comes soon enough and a queue behind a slow disk would only grow. Any other save
-    waits for the write under way. A write that fails costs that checkpoint only, in one line.
-
-    The thread is no daemon: a normal exit (sys.exit on a failure too) joins it, so a write under way completes; a
-    SIGKILL mid-write leaves the previous files, as any crash does (atomic_write)."""
+    """Rank 0's writer of a run's checkpoints: one write at a time, in a background thread, so that a slow disk never
+    stalls training. A periodic checkpoint (skip_if_busy) due while a write runs is skipped, in one line: the next
+    comes soon enough, and a queue behind a slow disk would only grow; any other save waits for it. A write that fails
+    costs that checkpoint only, in one line. The thread is no daemon: a normal exit joins it."""
 
     def __init__(self, log, process=None, save=save_file):
         self.log = log  # one line per skipped or failed write

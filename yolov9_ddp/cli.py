@@ -1,11 +1,9 @@
 """Command line of the kit's entry points: every flag of the upstream script each replaces (train.py,
 train_dual.py, train_triple.py, segment/train.py, segment/train_dual.py), same meaning, plus the kit's own.
 
-Defaults that differ on purpose: without --data the run trains on the kit's generated demo dataset (and, without
---cfg or --weights, the kit's tiny model of the task), so the command works on a fresh machine; --hyp defaults to
-data/hyps/hyp.scratch-high.yaml, the one file of hyperparameters upstream ships (train.py and the segment scripts
-name hyp.scratch-low.yaml, which it does not); the segment scripts' --weights yolo-seg.pt (not shipped either)
-becomes '' (train from scratch, as the other scripts).
+Defaults that differ name files upstream does not ship: without --data the run trains on a generated demo dataset
+(and without --cfg or --weights, the task's tiny model), --hyp is data/hyps/hyp.scratch-high.yaml, and the segment
+scripts' --weights yolo-seg.pt becomes '' (from scratch).
 """
 import argparse
 from pathlib import Path

@@ -1,9 +1,5 @@
-"""Process-group life cycle and rank helpers that also work in a single process.
-
-In the spirit of detectron2's utils/comm.py: get_rank() is 0 and barrier() does nothing when no
-process group exists, so the training loop is written once for one process and for many.
-Ranks come from torchrun's environment: RANK is global (across nodes), LOCAL_RANK picks the GPU.
-"""
+"""Process-group life cycle and rank helpers that also work in one process (get_rank() is 0 and barrier() does
+nothing without a group, as detectron2's utils/comm.py), so the loop is written once for one process and many."""
 import contextlib
 import datetime
 import os
@@ -111,40 +107,25 @@ def average_tensors_(tensors):
 
 def max_over_ranks(value: int) -> int:
     """The largest of every rank's value, on every rank."""
-    return maxima_over_ranks([value])[0]
-
-
-def maxima_over_ranks(values: list) -> list:
-    """For each position of values, the largest of every rank's, on every rank: one all_reduce."""
     if not is_distributed():
-        return list(values)
-    tensor = torch.tensor(values, device=collective_device())
+        return value
+    tensor = torch.tensor([value], device=collective_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
-
-
-def any_rank(flag: bool) -> bool:
-    """True on every rank when flag is True on at least one (used to stop all ranks together)."""
-    return bool(max_over_ranks(int(flag)))
+    return int(tensor.item())
 
 
 def raise_if_any_failed(error: BaseException = None):
-    """After a step every rank takes: re-raise this rank's error, or stop because another rank failed.
-
-    Every rank must call it, failed or not, so that none is left waiting in a later collective.
-    """
-    if any_rank(error is not None):
+    """Every rank, failed or not, after a step all take: this rank's error, or PeerFailed where another failed, so
+    that none is left waiting in a later collective."""
+    if max_over_ranks(int(error is not None)):
         if error is not None:
             raise error
         raise PeerFailed('stopping: another rank failed (its error message says why)')
 
 
 def run_staged(build):
-    """build() on global rank 0, then on each node's local rank 0, then on the other ranks; its result.
-
-    After each stage all ranks learn whether anyone failed, so a failure stops every rank at once,
-    and later stages do not repeat work (a download, a cache) that just failed.
-    """
+    """build() on global rank 0, then on each node's local rank 0, then on the other ranks (a download, a cache is
+    made once); after each stage a failure stops every rank at once."""
     rank, local_rank = get_rank(), get_local_rank()
     stage = 0 if rank == 0 else 1 if local_rank == 0 else 2
     result, error = None, None
@@ -167,10 +148,8 @@ def collective_device() -> torch.device:
 
 
 def select_device(device_arg: str) -> torch.device:
-    """The device of this process: --device as in upstream ('', 'cpu', '0', '0,1'), LOCAL_RANK picks the GPU.
-
-    Without --device and without a usable GPU, one process trains on the CPU as upstream does (the banner says
-    why); several processes are refused, rather than silently training N gloo processes on the CPU."""
+    """The device of this process: --device as upstream's ('', 'cpu', '0', '0,1'), LOCAL_RANK picking the GPU. No
+    usable GPU: one process trains on the CPU as upstream's does; several are refused, not silently put there."""
     choice = str(device_arg).strip().lower().replace('cuda:', '').replace('none', '')
     local_rank, local_world, world = get_local_rank(), get_local_world_size(), launched_world_size()
     if choice == 'cpu':
@@ -203,14 +182,9 @@ def print_banner(device: torch.device, device_arg: str):
 
 
 def launch_store(timeout: datetime.timedelta) -> dist.Store:
-    """The launch's key-value store, made once per process: rank0_decides() sends through it before the process
-    group exists, and the group meets in it (torchrun's agent store; rank 0's TCPStore under a plain env:// launch).
-
-    Its keys are private to this restart attempt. torchrun keeps one store across the restarts of its workers
-    (--max-restarts). With torch 2.14 the restarted workers find the previous attempt's keys in it and connect to
-    the addresses of dead processes: gloo fails with "connectFullMesh failed ... Connection refused" and the job
-    never resumes. Prefixing the keys with the attempt number gives each attempt a clean rendezvous.
-    """
+    """The launch's key-value store, made once per process: rank0_decides() sends through it, and the group meets in
+    it. Its keys are this restart attempt's: torchrun keeps one store across restarts, and gloo would otherwise
+    connect to the dead processes of the previous attempt ("connectFullMesh failed ... Connection refused")."""
     if 'store' not in _LAUNCH:
         store, _, _ = next(dist.rendezvous('env://', launched_rank(), launched_world_size(), timeout=timeout))
         attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)
@@ -219,9 +193,8 @@ def launch_store(timeout: datetime.timedelta) -> dist.Store:
 
 
 def rank0_decides(decide, timeout_s: float):
-    """decide() on global rank 0, and its result (not None) on every rank, before the process group exists: what
-    each rank's checks and device depend on (a resumed run's options). An error of decide() is raised on rank 0;
-    the other ranks stop with PeerFailed."""
+    """decide() on global rank 0, its result (not None) on every rank, before the process group exists (a resumed
+    run's options decide each rank's checks and device); where it raises, the other ranks stop with PeerFailed."""
     if launched_world_size() <= 1:
         return decide()
     store = launch_store(datetime.timedelta(seconds=timeout_s))
@@ -242,10 +215,8 @@ def rank0_decides(decide, timeout_s: float):
 
 
 def wait_for_readers(store: dist.Store, readers: int, timeout_s: float):
-    """Until that many other ranks have read rank 0's decision, timeout_s at most. A rank 0 that failed stops only
-    then: once it has exited, torchrun SIGTERMs the others, and a rank still starting up would be killed before it
-    stops by itself (recording why for torchrun's summary); under a plain env:// launch the store is rank 0's and
-    would be gone before they read it."""
+    """Until that many other ranks have read rank 0's decision, timeout_s at most: a failed rank 0 that exited
+    first would have torchrun kill them before they stop by themselves, and take its store along."""
     deadline = time.monotonic() + timeout_s
     while store.add(DECISION_READ_KEY, 0) < readers and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -253,10 +224,8 @@ def wait_for_readers(store: dist.Store, readers: int, timeout_s: float):
 
 @contextlib.contextmanager
 def process_group(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S):
-    """Initialise the default process group under a launcher (NCCL on CUDA, gloo on CPU); always destroy it.
-
-    Without a launcher (WORLD_SIZE unset or 1) nothing is initialised and the helpers above act as one process.
-    """
+    """The default process group under a launcher (NCCL on CUDA, gloo on CPU), always destroyed; without one
+    (WORLD_SIZE unset or 1) none, and the helpers above act as one process."""
     if launched_world_size() <= 1:
         yield
         return

@@ -1,9 +1,5 @@
-"""Datasets and loaders for training and distributed validation, built on upstream's LoadImagesAndLabels.
-
-Dataset construction writes the label cache, so it runs staged (comm.run_staged): global rank 0
-first (it writes the cache once for a shared folder), then the first process of every other node
-(it writes one where the folder is node-local), then everyone else (they read the cache).
-"""
+"""Datasets and loaders for training and distributed validation, built on upstream's LoadImagesAndLabels. Building
+a dataset writes its label cache, so it runs staged (comm.run_staged): the cache is written once per folder."""
 import os
 import signal
 from functools import partial
@@ -28,11 +24,8 @@ PREFETCH_BATCHES = 4  # per loader worker
 
 
 def loader_workers(requested: int, batch_size: int) -> int:
-    """Workers per process: the request, capped by this node's CPUs per local process less a few kept free.
-
-    The augmentation pipeline is CPU-bound, and oversubscribed CPUs thrash: on 2 GPUs with 32 CPUs, 16 workers per
-    process ran slower than 8.
-    """
+    """Workers per process: the request, capped by this node's CPUs per local process less a few kept free (the
+    augmentation is CPU-bound, and oversubscribed CPUs thrash)."""
     per_process = (os.cpu_count() or 1) // comm.get_local_world_size() - CPUS_KEPT_PER_PROCESS
     return min(requested, max(1, per_process), batch_size if batch_size > 1 else 0)
 
@@ -68,13 +61,9 @@ def with_shared_ram_cache(dataset, cache, prefix):
 
 
 class TrainingBatches:
-    """The training loader's batches (yolov9_ddp.stream), epoch by epoch, the epochs in order.
-
-    Where the loader's workers persist, one iterator serves the run's remaining epochs, so that the workers load
-    the next epoch's first batches while this one ends, as upstream's InfiniteDataLoader lets them: a new iterator
-    each epoch starts with every worker idle, and the GPU waits the time a worker takes to load a whole batch
-    (about a second of a 7-second epoch of 2048 images on one fast GPU). Otherwise one iterator an
-    epoch: --image-weights draws an epoch's images after the last epoch's validation (data.train_loader)."""
+    """The training loader's batches (stream.py), epoch by epoch. Where the workers persist, one iterator serves the
+    run's remaining epochs, so that they load the next epoch's first batches while this one ends (a new iterator
+    starts every worker idle, and the GPU waits for a whole batch); else, with --image-weights, one an epoch."""
 
     def __init__(self, loader, epochs: int):
         self.loader, self.epochs, self.run_long = loader, epochs, None
@@ -91,9 +80,8 @@ class TrainingBatches:
 
 
 def init_worker(worker_id, trainer_pid):
-    """Loader workers leave SIGTERM/SIGINT to their training process, which stops them when it stops
-    (torchrun signals the whole process group; a worker dying first would crash its trainer mid-step).
-    So that none can outlive its trainer, the kernel kills it when the trainer dies (yolov9_ddp.failures)."""
+    """Loader workers leave SIGTERM/SIGINT to their trainer (a worker dying first of torchrun's signal to the group
+    would crash its trainer mid-step), and the kernel kills them when the trainer dies."""
     for signum in shutdown.HANDLED:
         signal.signal(signum, signal.SIG_IGN)
     failures.die_with_parent(trainer_pid)
@@ -102,9 +90,8 @@ def init_worker(worker_id, trainer_pid):
 
 
 def make_loader(dataset, batch_sampler, workers, cuda, collate_fn, persistent=True):
-    """Page-locked batches on a GPU (copied with non_blocking=True: no wait for the GPU), workers that persist
-    across epochs (their state, as upstream's InfiniteDataLoader; the sampler's keys tell them each sample's epoch,
-    yolov9_ddp.stream) and PREFETCH_BATCHES ready in each."""
+    """Page-locked batches on a GPU (copied without a wait), workers that persist across epochs (as upstream's
+    InfiniteDataLoader) and PREFETCH_BATCHES ready in each."""
     generator = torch.Generator()
     generator.manual_seed(WORKER_SEED_BASE + comm.get_rank())
     return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers, pin_memory=cuda,

@@ -1,8 +1,7 @@
 """A small generated dataset: filled shapes on a noisy background, in YOLO format.
 
-Used as the embedded default of ddp_train_dual.py (no --data), by the tests and by the benchmarks.
-Every image is a pure function of (seed, split, index), so two runs with the same arguments
-produce the same bytes, and a dataset folder is only ever replaced whole (built beside, renamed).
+The embedded default of the entry points (no --data), and the tests' data. Every image is a function of (seed,
+split, index), and a dataset folder is only ever replaced whole (built beside, renamed).
 
 DemoSpec.labels chooses what the labels are, for each of upstream's tasks:
     boxes     labels/SPLIT/NAME.txt, one "class x y w h" row per shape (detection: train.py, train_dual.py, ...)
@@ -130,10 +129,8 @@ def ensure_demo_dataset(root, spec: DemoSpec = DemoSpec(), log=print, processes:
 
 
 def generated_dataset(root, spec, spec_name: str, kind: str, write) -> Path:
-    """root/data.yaml of a generated dataset of `spec` (a dataclass), which root holds or write(folder) writes.
-
-    write() fills a scratch folder beside root, which then replaces root in one rename: a dataset killed while it
-    was written is never taken for a whole one, and the spec file beside data.yaml says what root holds."""
+    """root/data.yaml of a generated dataset of `spec`, which root holds or write(folder) writes into a scratch folder
+    that then replaces root in one rename (one killed half-way is never taken for whole)."""
     root = Path(root).resolve()
     spec_file = root / spec_name
     if spec_file.is_file() and json.loads(spec_file.read_text()) == asdict(spec):

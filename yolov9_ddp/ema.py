@@ -1,12 +1,6 @@
-"""EMA on every rank, kept identical with all_reduce.
-
-Every rank runs upstream's ModelEMA: DDP keeps the parameters equal, so the parameter averages
-stay equal too. BatchNorm running statistics are another matter: DDP is built with
-broadcast_buffers=False, so each rank's statistics follow its own images. Once per epoch, before
-validation and saving, the running statistics of the model and the whole floating-point state of
-the EMA are averaged over the ranks (as YOLOX's all_reduce_norm): afterwards the statistics
-reflect every rank's data and the EMA state is the same bits on every rank.
-"""
+"""The EMA on every rank, kept identical with all_reduce. DDP keeps the parameters equal, but each rank's BatchNorm
+statistics follow its own images (no per-forward broadcast): once an epoch, before validation and saving, they and
+the EMA's floating-point state are averaged over the ranks (as YOLOX's all_reduce_norm)."""
 import torch
 import torch.nn as nn
 
@@ -36,15 +30,9 @@ def synchronize_ema(ema, model: nn.Module):
 
 
 class EmaUpdater:
-    """ModelEMA.update() as multi-tensor kernels, with upstream's arithmetic bit for bit: v *= d, then
-    v += (1 - d) * m, each over all tensors at once (a lerp would be one kernel, but rounds otherwise, and
-    --deterministic keeps upstream's numerics; the two extra passes over the EMA's 40 MB cost microseconds).
-
-    Upstream's update walks the state dict and launches three kernels per tensor (about 4,400 launches an optimizer
-    step for yolov9-s); here the tensor lists are built once and rebuilt only when a module's tensors were replaced.
-    That happens after every validation on CUDA with AMP: val_dual's model.half() and model.float() give the
-    EMA new tensors, and lists kept from before would leave the EMA frozen from then on.
-    """
+    """ModelEMA.update() as multi-tensor kernels, with upstream's arithmetic bit for bit (v *= d, then
+    v += (1 - d) * m; a lerp rounds otherwise), instead of three kernels per tensor. The tensor lists are rebuilt when
+    a module's tensors were replaced, as validation's model.half() and .float() do: stale lists would freeze the EMA."""
 
     def __init__(self, ema, model: nn.Module):
         self.ema = ema
@@ -68,7 +56,6 @@ class EmaUpdater:
 
 
 def first_storage(module: nn.Module) -> int:
-    """Where the first parameter's data lives: a conversion such as .half() replaces every tensor, this one too.
-
-    The lists keep the replaced tensors alive, so a new tensor never takes over the old one's address."""
+    """Where the first parameter's data lives, which a conversion such as .half() changes (the lists keep the old
+    tensors alive, so no new one takes over their address)."""
     return next(module.parameters()).data_ptr()

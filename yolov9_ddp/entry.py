@@ -1,8 +1,5 @@
-"""What every kit entry point runs: parse the flags of the upstream script it replaces, join the process group,
-train the task, and end every way out with one line and an exit status (yolov9_ddp.failures).
-
-    end_process(main('detect-dual', root=ROOT))     in ddp_train_dual.py (end_process: yolov9_ddp.failures);
-                                                    the tasks are in yolov9_ddp.tasks
+"""What every kit entry point runs, `end_process(main('detect-dual', root=ROOT))`: parse the flags of the upstream
+script it replaces, join the process group, train the task, and end every way out with one line and an exit status.
 """
 import os
 import sys
@@ -27,10 +24,8 @@ KIT_ERRORS = (cli.UsageError, comm.LaunchError, checkpoints.CheckpointError, com
 
 
 def report(script: str, error: BaseException, consequence=False):
-    """One line per failure: from the rank that saw it (rank 0 for errors every rank sees the same way). Every rank
-    records its own line for torchrun's summary, the reporter after printing it: a process that leaves the line
-    to its node's reporter exits only once the reporter has recorded it (failures.wait_for_the_node_reporter).
-    consequence: this rank failed because another one did (failures.record_for_torchrun)."""
+    """One line per failure, from the rank that saw it (rank 0 for an error every rank sees alike); every rank
+    records its line for torchrun's summary. consequence: this rank failed because another did."""
     rank = comm.launched_rank()
     where = f' [rank {rank}]' if comm.launched_world_size() > 1 else ''
     alike = (isinstance(error, comm.Unanimous) and rank != 0) or \
@@ -43,9 +38,8 @@ def report(script: str, error: BaseException, consequence=False):
 
 
 def fail(script: str, error: Exception) -> int:
-    """This rank alone failed (a bug, a loader worker killed, out of memory): its traceback where the cause is not
-    a known one, then the one line; the loader workers end now and the process exits, so that torchrun restarts
-    the job or stops the other ranks instead of leaving them in a collective."""
+    """This rank alone failed (a bug, a killed loader worker, out of memory): a traceback where the cause is not a
+    known one, then the one line; its workers end and it exits, so that torchrun restarts the job or stops the rest."""
     line, helps = failures.cause(error)
     if helps:
         traceback.print_exception(error)

@@ -1,11 +1,6 @@
-"""The Python environment a run finds: checked once at start, described in one banner line.
-
-requirements.txt holds lower bounds only, so that pip installs nothing over a torch built for the user's
-CUDA driver; what it cannot enforce is checked here, each with one line that says what to do:
-- a torch older than the oldest one CI trains on (constraints/oldest.txt),
-- no importable OpenCV (left to the user: opencv-python and opencv-python-headless share the cv2 folder),
-- GPUs asked for where CUDA cannot start (comm.select_device raises with cuda_unusable_reason()).
-"""
+"""The Python environment a run finds, checked once at start and described in one banner line: what
+requirements.txt's lower bounds cannot enforce (a torch below the oldest CI trains on, no importable OpenCV, GPUs
+where CUDA cannot start), each in one line that says what to do."""
 import importlib
 import os
 import re
@@ -52,10 +47,8 @@ def opencv_for_numpy() -> str:
 
 
 def exit_if_unsupported(program: str):
-    """Before upstream's modules are imported: one line and exit status 1 instead of a traceback from deep inside.
-
-    Every process of a launch finds the same; the first process of each node says it, and the others exit only
-    once it has (failures.wait_for_the_node_reporter: torchrun stops a job's processes when the first one exits)."""
+    """Before upstream's modules are imported: one line and exit status 1 instead of a traceback, said by the first
+    process of each node, the others exiting once it has (failures.wait_for_the_node_reporter)."""
     reason = unsupported_reason()
     if not reason:
         return
@@ -69,10 +62,8 @@ def exit_if_unsupported(program: str):
 
 
 def cuda_unusable_reason() -> str:
-    """Why torch cannot use a GPU here, in torch's own words where it has them ('' if it can).
-
-    A CUDA build with no driver, or with a driver older than the build needs, reports
-    torch.cuda.is_available() False (with at most a warning); torch.cuda.init() raises the reason."""
+    """Why torch cannot use a GPU here, in torch's words ('' if it can): torch.cuda.is_available() says only False,
+    torch.cuda.init() raises the reason."""
     if torch.version.cuda is None and getattr(torch.version, 'hip', None) is None:
         return 'this torch is a build without CUDA'
     try:

@@ -1,14 +1,10 @@
 """How a process of the job ends when something goes wrong: promptly, with one line naming the cause, recorded
 where torchrun looks for it, and with none of its loader workers left behind.
 
-A loader worker killed by the kernel's out-of-memory killer, a dataset or a loss that raises, a CUDA out-of-memory
-error: each surfaces as an exception on one rank. That rank reports it, ends its loader workers and exits; torchrun
-sees the exit and restarts the job (--max-restarts) or stops the other ranks, which would otherwise wait in a
-collective until --ddp-timeout. Loader workers ignore SIGTERM (they leave signals to their trainer, see
-yolov9_ddp.data.init_worker), so nothing may wait for them to obey one: multiprocessing's exit handler sends them
-SIGTERM and joins them, and a trainer whose persistent validation worker outlived its iterator hung there for good
-(yolov9-ddp issue 11). They are ended with SIGKILL once their trainer no longer needs them, and the kernel ends
-them if their trainer dies first.
+A killed loader worker, a dataset or a loss that raises, CUDA out of memory: each surfaces on one rank, which reports
+it, ends its workers and exits, so that torchrun restarts the job or stops the ranks that would otherwise wait in a
+collective until --ddp-timeout. Loader workers ignore SIGTERM (data.init_worker), so nothing may wait for them to obey
+one, as multiprocessing's exit handler does: they are SIGKILLed, and the kernel ends them if their trainer dies.
 """
 import atexit
 import ctypes
@@ -35,9 +31,9 @@ REPORTER_WAIT_S = 10  # how long a rank waits for its node's first process to ha
 
 
 def die_with_parent(parent_pid: int):
-    """In a forked child (a loader worker, the checkpoint writer): the kernel SIGKILLs it the moment the thread that
-    forked it dies (Linux), where torch's own watchdog would notice a worker's loss only between batches, at most
-    every 5 s. Workers started by a forkserver or spawn have another parent (the server): left to that watchdog."""
+    """In a forked child (a loader worker, the checkpoint writer): SIGKILLed by the kernel the moment the thread that
+    forked it dies, where torch's watchdog would notice only between batches. A forkserver's or spawn's child has
+    another parent: left to that watchdog."""
     if sys.platform != 'linux' or os.getppid() != parent_pid:
         return
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -46,9 +42,8 @@ def die_with_parent(parent_pid: int):
 
 
 def end_children():
-    """SIGKILL this process's child processes that are still alive (loader workers its trainer is done with) and
-    reap them. torch's SIGCHLD handler, which raises in the trainer when a registered worker dies, is held off
-    meanwhile: these deaths are intended. It ignores workers that are already reaped afterwards."""
+    """SIGKILL and reap this process's live children (loader workers it is done with), torch's SIGCHLD handler held
+    off meanwhile: these deaths are intended."""
     children = multiprocessing.active_children()
     if not children:
         return
@@ -69,24 +64,17 @@ def end_children_at_exit():
 
 
 def end_process(status: int):
-    """Exit with main()'s status; once the run has succeeded (0), without the interpreter's teardown. That teardown
-    only frees memory here but frees torch's C++ objects while Python is being dismantled, and a C++ destructor that
-    runs then can abort a process whose work is done: in the kit's CI (2026-12-01) a rank whose run had completed
-    died of 'terminate called without an active exception' (SIGABRT) on its way out, and torchrun reported the
-    finished run as failed (with --max-restarts it would have started it again). torch's own
-    destroy_process_group names the hazard (a destructor that finishes after the interpreter exits).
-
-    A failed rank exits normally (for an error every rank saw alike, only once its node's reporter has its line
-    out: wait_for_the_node_reporter)."""
+    """Exit with main()'s status; a run that succeeded without the interpreter's teardown, which frees torch's C++
+    objects while Python is dismantled: a destructor then can abort a process whose work is done ('terminate called
+    without an active exception'), and torchrun would report the finished run as failed."""
     if status != 0:
         sys.exit(status)
     exit_without_teardown(0)
 
 
 def exit_without_teardown(status: int):
-    """Everything a normal exit does before the interpreter's teardown, in its order: other threads are joined, the
-    atexit handlers run (logging's flush, the end of the loader workers, multiprocessing's), the standard streams are
-    flushed; then the exit. The teardown of a process that imported torch takes 0.5 to 1 s of CPU."""
+    """What a normal exit does before the teardown, in its order: other threads joined, atexit handlers run, the
+    standard streams flushed; then the exit."""
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
@@ -141,12 +129,9 @@ def where(error: BaseException) -> str:
 
 
 def wait_for_the_node_reporter(timeout_s: float = REPORTER_WAIT_S):
-    """Return once this node's first process (LOCAL_RANK 0) has recorded its error file, or after timeout_s.
-
-    For an error every process sees alike, one process prints the line and records its file after printing; the
-    others only record theirs. torchrun stops every process of the job as soon as one exits, so a silent process
-    that exited first would have the reporter stopped before its line is out: it waits for the reporter's file
-    (torchrun's layout: .../attempt_N/LOCAL_RANK/error.json). Without torchrun's files there is nothing to wait for."""
+    """Return once this node's first process, which prints an error every process sees alike, has recorded its error
+    file (torchrun's .../attempt_N/LOCAL_RANK/error.json), or after timeout_s: torchrun stops the whole job when one
+    process exits, and a silent one exiting first would cut the reporter's line off."""
     own, local_rank = os.environ.get('TORCHELASTIC_ERROR_FILE'), os.environ.get('LOCAL_RANK')
     if not own or local_rank in (None, '0') or Path(own).parent.name != local_rank:
         return
@@ -157,17 +142,10 @@ def wait_for_the_node_reporter(timeout_s: float = REPORTER_WAIT_S):
 
 
 def record_for_torchrun(message: str, consequence=False):
-    """Write message where torchrun looks for a failed worker's cause (TORCHELASTIC_ERROR_FILE, in the format of
-    torch.distributed.elastic's error files): its summary then shows this line instead of `error_file: <N/A>`.
-
-    The summary's root cause is the failure of the earliest timestamp, in whole seconds, the lowest rank on a tie. A
-    consequence (this rank failed because another did) is dated a second later: the cause is recorded before its
-    process exits, which is what the other ranks notice, so it comes first even within the same second (rank 0
-    stopped by rank 1's death was named the root cause whenever both fell in one second).
-
-    The file appears whole, by a rename. torchrun parses the file of every worker it finds gone, those it has just
-    stopped too, and a file opened (truncated) but not yet written ends the whole job in a JSONDecodeError instead
-    of a restart: in the kit's CI (2026-12-06) a job with --max-restarts 1 ended so at its first fault."""
+    """Write message where torchrun looks for a failed worker's cause (TORCHELASTIC_ERROR_FILE), so that its summary
+    shows this line. Its root cause is the earliest timestamp, in whole seconds: a consequence (this rank failed
+    because another did) is dated a second later. The file appears whole, by a rename: torchrun parses the file of
+    every worker it stopped, and a truncated one would end the job in a JSONDecodeError instead of a restart."""
     path = os.environ.get('TORCHELASTIC_ERROR_FILE')
     if not path:
         return

@@ -1,12 +1,7 @@
-"""The switch cuda_graphs: the model's forward and backward replayed as CUDA graphs (torch.cuda.make_graphed_callables),
-the loss, the optimizer step and the EMA left eager. On one fast GPU the training thread issues the step's kernels
-more slowly than the GPU runs them; a replay issues them all at once.
-
-    forward = GraphedModel(model)      # in Trainer, one process on a GPU; forward(imgs) instead of model(imgs)
-
-One capture per input shape: a run's batches share one, its last batch may have another (--multi-scale and --rect,
-whose shapes change every step, are refused). A capture runs the model forward and backward a few times on the
-batch it is given; BatchNorm's running statistics are put back afterwards, so the run's arithmetic stays its own.
+"""The switch cuda_graphs: the model's forward and backward replayed as CUDA graphs (make_graphed_callables), the
+loss, the optimizer step and the EMA eager. On a fast GPU the training thread issues a step's kernels more slowly
+than the GPU runs them; a replay issues them at once. One capture per input shape (a run's batches share one, its
+last batch may have another); BatchNorm's statistics, which the capture's passes update, are put back after it.
 """
 from contextlib import contextmanager
 
@@ -14,14 +9,11 @@ import torch
 
 
 class GraphedModel:
-    """model(imgs) in training mode through the graph captured for imgs' shape and layout, captured on first use.
+    """model(imgs) in training mode through the graph captured for imgs' shape and layout, on first use.
 
     The replay hands out its own gradient buffers, and a .grad that took one over would add the next micro-step's
-    gradient to itself (pytorch/pytorch#181723, open: make_graphed_callables' static gradient buffers and
-    accumulation). So each parameter's gradient is cloned on its way to .grad: a Python hook and a kernel per
-    parameter and micro-step. With the graphs the trainer zeroes the gradients in place instead of freeing them
-    (Trainer.zero_grad), backward adds into a .grad that exists, and resident() takes the clone off every parameter
-    that has one."""
+    gradient to itself (pytorch/pytorch#181723): a gradient is cloned on its way to .grad until the trainer zeroes
+    the gradients in place (Trainer.zero_grad), backward then adds into them, and resident() drops the clones."""
 
     def __init__(self, model: torch.nn.Module, capture=None):
         self.model, self.graphed, self.capture = model, {}, capture or capture_graphs  # tests capture without CUDA
@@ -64,13 +56,10 @@ class ThisThreadsCapture(torch.cuda.graph):
 
 @contextmanager
 def captures_checking_this_thread():
-    """make_graphed_callables' captures check this thread's CUDA calls only. In torch's default mode, 'global', a
-    potentially unsafe CUDA call of any other thread during a capture invalidates it, and the loader's pin-memory
-    thread makes CUDA calls (page-locked allocations, queries of the events of blocks it reuses) while the training
-    thread captures at its first step; the capture's next cuDNN call then fails (CUDNN_STATUS_INTERNAL_ERROR). Those
-    threads never touch the captured stream. make_graphed_callables takes the mode itself from torch 2.14 on
-    (pytorch/pytorch#188832); it creates its captures through torch.cuda.graph in every version the kit runs on, so
-    that is what is swapped for the time of the call (the training thread alone captures)."""
+    """make_graphed_callables' captures check this thread's CUDA calls only: in the default mode, 'global', the
+    loader's pin-memory thread (page-locked allocations) invalidates the training thread's capture, whose next cuDNN
+    call fails (CUDNN_STATUS_INTERNAL_ERROR). torch.cuda.graph, through which every version the kit runs on
+    captures, is swapped for the call (pytorch/pytorch#188832 gives the mode from torch 2.14 on)."""
     global_mode = torch.cuda.graph
     torch.cuda.graph = ThisThreadsCapture
     try:

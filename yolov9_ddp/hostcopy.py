@@ -1,11 +1,8 @@
 """A copy of a checkpoint in host memory, made without the training thread waiting for the GPU.
 
-The training thread pickles the checkpoint (modules, optimizer state, nested containers) with every tensor set aside,
-and queues each tensor's copy to the host on the GPU's stream, behind the step that made it and ahead of any step
-that changes it: a model on a GPU never has a second copy there, as a deepcopy would make before moving it, and a
-tensor held in two places is copied once, as torch.save keeps it. result(), wherever the copy is needed (the
-checkpoint writer), waits for those copies and rebuilds the checkpoint around them, so that neither the wait nor the
-rebuild's Python work falls on the training thread.
+The training thread pickles the checkpoint with every tensor set aside and queues each tensor's copy to the host on
+the GPU's stream, behind the step that made it (no second copy on the GPU, as a deepcopy would make); result(), in
+the writer, waits for them and rebuilds the checkpoint around them, off the training thread.
 """
 import io
 import itertools
@@ -50,11 +47,8 @@ class QueuedHostCopy:
 
 
 class TensorsAside(pickle.Pickler):
-    """Pickles all but the tensors, which it sets aside in self.tensors, each once (a tensor held twice is pickled
-    once, then referred to).
-
-    A module's empty OrderedDicts (about eleven a module) pickle as OrderedDict(): pickle's default reduction asks
-    copyreg, in Python, for the slot names of each, and the models' pickling took three times as long."""
+    """Pickles all but the tensors, which it sets aside in self.tensors, each once. A module's empty OrderedDicts
+    pickle as OrderedDict(): pickle's own reduction asks copyreg, in Python, for their slot names, which is slow."""
 
     def __init__(self, file):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -88,11 +82,9 @@ class TensorsBack(pickle.Unpickler):
 
 
 def queue_host_copies(tensors: list) -> tuple:
-    """(detached copies of tensors in host memory, each in its tensor's memory format; the event recorded behind
-    those from a GPU, or None). A checkpoint holds thousands of tensors, and a copy each would cost the training
-    thread a torch call each: the tensors of one device and dtype are copied into views of one buffer (page-locked
-    for a GPU's, so that the copies are only queued) by a single call. A tensor that does not cover its memory
-    densely is copied alone. The views share their buffer until own_tensor()."""
+    """(detached host copies of tensors, each in its memory format; the event behind those from a GPU, or None). The
+    tensors of one device and dtype are copied by one call into views of one buffer (page-locked for a GPU's, so the
+    copies are only queued), not thousands; a tensor that does not fill its memory densely is copied alone."""
     copies, groups = [None] * len(tensors), defaultdict(list)
     for i, tensor in enumerate(tensors):
         if dense(tensor):
@@ -130,9 +122,8 @@ def own_tensor(copy: torch.Tensor, parameter: bool, requires_grad: bool) -> torc
 
 
 def scaler_state(scaler) -> dict:
-    """GradScaler.state_dict(), its scale and growth tracker left as copies on their device, taken in the stream's
-    order: state_dict() reads each with .item(), a wait for the GPU's queue to drain at every checkpoint. The
-    checkpoint's host copy takes the two with its other tensors; scaler_numbers() makes them numbers there."""
+    """GradScaler.state_dict(), its scale and growth tracker left as copies on their device (state_dict() reads each
+    with .item(), a wait for the GPU); the host copy takes them, and scaler_numbers() makes them numbers there."""
     scale = scaler._get_scale_async() if scaler.is_enabled() else None
     if scale is None:  # disabled, or before the first scaled step: state_dict() reads nothing from a device
         return scaler.state_dict()

@@ -9,10 +9,9 @@ A user can set five switches, `--levers name=0|1,...` (`--channels-last` is shor
     fused_optimizer   one fused kernel per parameter group for the optimizer step (CUDA)
     dense_box_loss    detection losses: targets padded on the host, the box loss over every anchor (boxloss.py)
 
-A new run on one GPU takes ONE_GPU_DEFAULTS where they apply. --deterministic turns off what changes the arithmetic
-(DETERMINISTIC) and refuses a request to turn it on. A run records its complete set in opt.yaml and its checkpoints
-(Perf.describe); a resume keeps it, changes what its command line names again, and turns cuda_graphs off, in one
-line, where the new start cannot use them. The figures behind the defaults are in docs/benchmarks.md.
+A new run on one GPU takes ONE_GPU_DEFAULTS where they apply (their figures: docs/benchmarks.md); --deterministic
+turns off what changes the arithmetic (DETERMINISTIC). A run records its set in opt.yaml and its checkpoints, and a
+resume keeps it but for what its command line names, and for cuda_graphs where it cannot use them.
 """
 import os
 from dataclasses import asdict, dataclass, fields, replace
@@ -153,10 +152,8 @@ def resumed(recorded_options: dict, given: dict, opt, world_size: int, log=print
 
 def apply_to_torch(perf: Perf, seed: int, deterministic: bool) -> str:
     """Set torch's global choices for the run; returns the line that says so under --deterministic ('' else).
-
-    Deterministic algorithms as upstream's init_seeds(deterministic=True), keeping a CUBLAS_WORKSPACE_CONFIG the user
-    set (entry.py sets it before CUDA starts), and without torch's fill of new tensors with NaN: training reads no
-    memory it did not write, so the fill changes no bit (tests/test_perf.py) and costs a memset per tensor."""
+    Deterministic algorithms as upstream's init_seeds(deterministic=True), but without torch's fill of new tensors
+    with NaN: training reads no memory it did not write, and the fill costs a memset per tensor."""
     if deterministic or not perf.cudnn_benchmark:
         torch.use_deterministic_algorithms(True)
         torch.utils.deterministic.fill_uninitialized_memory = False
@@ -172,11 +169,9 @@ def apply_to_torch(perf: Perf, seed: int, deterministic: bool) -> str:
 
 
 def fused(optimizer):
-    """The same optimizer with fused kernels: one launch per parameter group, and no found_inf sync in GradScaler.
-
-    torch's fused SGD allocates its momentum buffers uninitialised and fills them in its first step. Under AMP that
-    step is often skipped (an overflow at the initial scale), and the buffers then stay garbage: the next step
-    writes NaN into the weights. Zero buffers make the first real step exactly the unfused optimizer's."""
+    """The same optimizer with fused kernels (one launch per parameter group, no found_inf sync in GradScaler), its
+    SGD momentum buffers zeroed: torch's are left uninitialised when AMP skips the first step, and the next writes
+    NaN into the weights."""
     implementation = ('foreach', 'fused', 'differentiable')
     groups = [{k: v for k, v in group.items() if k not in implementation} for group in optimizer.param_groups]
     defaults = {k: v for k, v in optimizer.defaults.items() if k not in implementation}

@@ -7,11 +7,9 @@ PROGRESS_EVERY = 10  # steps between two updates of the progress bar
 
 
 class LaggingLosses:
-    """Each update of the progress bar sends the mean losses on their way to the host and shows the ones the update
-    before sent (PROGRESS_EVERY steps earlier: arrived long since). Reading a GPU value the moment it is computed
-    makes the host wait until the GPU has run everything queued before it, and the GPU then idles while the host
-    issues the next step (an update every step cost a 2-GPU loop a third of its speed). The epoch's last update
-    shows its own losses, waited for once an epoch. One per epoch."""
+    """Each update of the progress bar sends the mean losses on their way to the host and shows those the update
+    before sent, arrived long since: a GPU value read the moment it is computed makes the host wait for the GPU's
+    queue, and the GPU then idles. The epoch's last update shows its own. One per epoch."""
 
     def __init__(self):
         self.sent = None  # the copy the last update sent, and the event behind it on a GPU

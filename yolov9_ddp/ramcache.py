@@ -1,15 +1,10 @@
 """--cache ram: one decoded copy of the images per node, shared by every rank and every loader worker.
 
-Upstream's --cache ram decodes every image in every rank and keeps it in that process, so a node with N ranks
-holds N copies (yolov5#3818, ultralytics#22307), and loader workers started with spawn or forkserver (Python
-3.14's default) receive one more pickled copy each. Here the node's first process (local rank 0) decodes the
-images once, with upstream's own LoadImagesAndLabels.load_image (so the pixels are upstream's, bit for bit), into
-an anonymous memory file (memfd_create); the node's other processes map that file read-only.
-
-The file has no name in any folder, so nothing can leak: the kernel frees it when the last process holding it
-ends, SIGKILL included, and a restarted job (torchrun --max-restarts) builds a new one. Another process opens it
-through /proc/PID/fd/FD of a process holding it: the node's ranks through local rank 0's, a loader worker through
-its rank's. Pickling the cache (a worker started with spawn or forkserver) sends that reference, never the pixels.
+Upstream's --cache ram keeps a copy in every rank (yolov5#3818, ultralytics#22307), and one more in every loader
+worker started by spawn or forkserver. Here the node's local rank 0 decodes the images once, with upstream's
+load_image (the pixels are upstream's), into an anonymous memory file (memfd_create) that the node's other processes
+map read-only, through /proc/PID/fd/FD of a process holding it; a pickled cache sends that reference, never pixels.
+The file has no name, so nothing can leak: the kernel frees it when its last holder ends, SIGKILL included.
 
 File layout: the images' bytes one after another; an index (one int64 row per image: offset, height, width,
 channels, original height, original width); a trailer naming the dataset it was built for and the index's place.

@@ -10,14 +10,9 @@ ranks), and it creates the folder only once the options have passed their checks
                        run.json and the run continues from its last checkpoint instead of starting over
   otherwise            a new PROJECT/NAME{,2,3,...} folder, as upstream's increment_path
 
-run.json in the folder records the launcher's job id, the last epoch saved and the position (epoch, step) of
-the last checkpoint (yolov9_ddp.position), and whether training finished. Rank 0 holds the folder's lock while it
-trains (hold_run): one start of a run at a time.
-
-A resumed run keeps its own options, from its opt.yaml (as upstream's --resume): its global batch, schedule, data,
-model and hyperparameters, whatever this start's command line says. Only how this start runs (START_OPTIONS) may
-be given again; what is not given is the run's too. The world size is this start's: each process takes the global
-batch / the number of processes.
+run.json records the launcher's job id, the position (epoch, step) of the newest checkpoint and whether training
+finished; rank 0 holds the folder's lock while it trains (hold_run). A resumed run keeps its own options (opt.yaml,
+as upstream's --resume), but for how this start runs (START_OPTIONS); the world size is this start's.
 """
 import fcntl
 import json
@@ -130,11 +125,9 @@ def start_record(plan: RunPlan):
 
 
 def hold_run(folder: Path):
-    """Rank 0 holds the run folder's lock for as long as its process lives. A second start of the run while the
-    first still trains (a --resume typed too early, a job launched twice) is refused in one line, where it would
-    otherwise remove the first one's temporary checkpoint at its start and then write the same files. flock: the
-    kernel lets go of it when the process ends, however it ends, so a restart after a crash or a SIGKILL finds it
-    free. A filesystem that cannot lock holds nothing."""
+    """Rank 0 holds the run folder's lock (flock: released however its process ends) while it lives, so that a
+    second start of the run (a --resume typed too early) is refused in one line instead of writing the same files.
+    A filesystem that cannot lock holds nothing."""
     lock = open(folder / RUN_LOCK, 'a+')
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

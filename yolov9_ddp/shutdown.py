@@ -1,12 +1,8 @@
 """Clean shutdown on SIGTERM / SIGINT (a scheduler's pre-emption, Ctrl-C, torchrun stopping its workers).
 
-The handler only records the signal. Every step on CPUs, every CHECK_EVERY_CUDA steps on GPUs, all ranks learn,
-in one tiny all_reduce, whether any of them was signalled, so they all stop after the same step, the first
-optimizer-step boundary from there (parts/signals.py): none is left waiting in a collective for a rank that has
-gone. Then, where --save-on-signal asks for it, rank 0 writes a resumable checkpoint of that position, and the
-process group is destroyed on the way out (comm.process_group). A second SIGINT (Ctrl-C again) interrupts at
-once. A second SIGTERM is the same request arriving twice: Slurm signals every process of a job step, and torchrun
-passes the SIGTERM it gets on to its workers, so each worker sees it twice.
+The handler only records the signal; all ranks learn in one small all_reduce whether any was signalled, and stop
+after the same step (parts/signals.py), so that none waits in a collective for one that has gone. A second SIGINT
+interrupts at once; a second SIGTERM is the same request twice (Slurm and torchrun both pass theirs on).
 """
 import os
 import signal

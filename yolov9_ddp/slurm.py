@@ -1,9 +1,7 @@
 """What the kit knows of Slurm: whether the job it runs in was requeued, and whether the run can continue then.
 
-A requeued Slurm job runs its script again from the top, with the same flags. Training continues where the
-previous start stopped only if the command names the run and asks for it: --auto-resume with a fixed --name,
-as the kit's job scripts (slurm/*.sbatch) do. Without that a requeued job quietly starts over in a new folder,
-which is what upstream does; rank 0 then says so in one line.
+A requeued job runs its script again with the same flags, and continues its run only with --auto-resume and a fixed
+--name, as slurm/*.sbatch give; without them it would quietly start over in a new folder, so rank 0 says so.
 """
 import os
 

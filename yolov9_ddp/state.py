@@ -1,17 +1,12 @@
 """A run's resumable state, besides the weights of the model and the EMA and the optimizer's, as one object: where
 it is, its counters, the grad scaler, the EMA's update count and early stopping.
 
-Where a run is, is a position (epoch, step): it has trained the first `step` global batches of `epoch` (stream.py)
-and stands at an optimizer-step boundary, no gradient pending. step may be the epoch's last: its end (validation,
-saving) is then still to come. Besides the position a checkpoint records what the next step's arithmetic depends on
-that the weights do not hold: the step of the last optimizer step and the accumulation count (warmup ramps it up),
-early stopping's best epoch, and, between two epochs' BatchNorm synchronisation, each rank's own normalisation
-statistics (of the model and of the EMA) and running mean loss. No random generator's state: every random choice is
-a function of (seed, epoch, step, index) (stream.py).
-
-The checkpoint's own 'epoch' stays upstream's, the last complete epoch, so upstream's scripts resume the kit's files
-at the start of the interrupted epoch. A checkpoint of kit 0.1.0, which has no position, resumes at the start of
-the epoch after its 'epoch'.
+A position (epoch, step): the run has trained the first `step` global batches of `epoch` (stream.py) and stands at
+an optimizer-step boundary. Besides it, a checkpoint records what the next step's arithmetic depends on that the
+weights do not hold: the last optimizer step, the accumulation count, early stopping's best epoch and, mid-epoch,
+each rank's own BatchNorm statistics and mean loss. No generator's state: every random choice is a function of
+(seed, epoch, step, index). The checkpoint's 'epoch' stays upstream's, the last complete one; a checkpoint without a
+position (upstream's own) resumes at the start of the epoch after it.
 """
 import torch
 
@@ -70,8 +65,7 @@ class RunState:
 
     def describe(self, steps_per_epoch: int, source) -> str:
         if not self.recorded:
-            return (f'resuming epoch {self.epoch} at its start: {source} is a checkpoint of an earlier kit, which '
-                    f'records no step')
+            return f'resuming epoch {self.epoch} at its start: {source} records no step'
         return f'resuming epoch {self.epoch} at step {self.step} of {steps_per_epoch} from {source}'
 
 

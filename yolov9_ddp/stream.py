@@ -1,24 +1,18 @@
 """The training data stream: which images each process trains at each step, and the randomness of every sample, as
-a function of (seed, epoch, position) alone, not of the number of processes, of loader workers or of restarts
-(issue 21; DESIGN.md "The data stream is a pure function").
+a function of (seed, epoch, position) alone, not of the number of processes, loader workers or restarts, so that a
+checkpoint is a position and a run continues exactly on any number of processes.
 
-  - The order of an epoch is one permutation of the training set, drawn from (seed, epoch); with --rect, the
-    dataset's own order (upstream's rectangular batches: images sorted by aspect ratio, one shape a batch).
-  - Global batch k is positions [k*B, (k+1)*B) of it, on any number of processes W that divides B: rank r trains
-    its r-th share. The last global batch of a set that B does not divide is shared as evenly as it goes; only
-    when it holds fewer images than there are processes, it is filled up with the first images of the order (an
-    image then trains twice in that epoch, at most W - 1 of them).
+  - An epoch's order is a permutation drawn from (seed, epoch); with --rect, the dataset's own (upstream's
+    rectangular batches). Global batch k is positions [k*B, (k+1)*B) of it; rank r of W trains its r-th share. A
+    last batch smaller than W is filled up with the first images of the order.
   - Each sample is loaded with Python's and NumPy's generators seeded from a hash of (seed, epoch, index), set in
-    the loader worker just before upstream's __getitem__ runs: mosaic partners, affine, HSV, flips, mixup and
-    copy-paste draw the same values whichever worker, rank or restart loads it. A hash, not Megatron's
-    idx + seed + epoch, which gives (epoch 1, index 0) the randomness of (epoch 0, index 1).
-  - The multi-scale size of a step comes from (seed, step); --image-weights' draw of an epoch from (seed, epoch).
-  - A start at step S of an epoch yields that epoch's batches from S on, no batch before it is loaded.
+    the loader worker before upstream's __getitem__: mosaic partners, affine, HSV, flips, mixup and copy-paste draw
+    the same values whichever worker, rank or restart loads it (a hash: idx + seed + epoch, as Megatron's, gives
+    (epoch 1, index 0) the randomness of (epoch 0, index 1)).
+  - A step's multi-scale size comes from (seed, step); --image-weights' draw of an epoch from (seed, epoch).
 
-The sampler yields keys (epoch, index), so that loader workers, which keep their copy of the dataset across epochs
-(persistent workers), still know the epoch; upstream's dataset is wrapped, not changed. The epoch also decides
-mosaic: upstream's --close-mosaic sets dataset.mosaic = False in the training process, which persistent workers
-(and upstream's own InfiniteDataLoader) never see.
+The sampler yields keys (epoch, index), so that persistent loader workers know each sample's epoch, which also
+decides mosaic: upstream's --close-mosaic sets dataset.mosaic in the training process, which workers never see.
 """
 import math
 import random
@@ -77,12 +71,9 @@ class StreamSampler(Sampler):
     """A batch sampler: rank's share of each global batch of the epochs set by set_epoch, as lists of keys
     (epoch, image index), from the step set_epoch names on.
 
-    shuffle=False (--rect): the dataset's own order every epoch, upstream's rectangular batches; the dataset is
-    built with the global batch, so that all the images of global batch k, whichever rank trains them, have the
-    shape upstream gives that batch, and a run goes on with another number of processes as with shuffle.
-    quad (--quad): upstream's collate_fn4 makes one image of each four (the rest of a share is left out), and a share
-    of fewer than four has none to make: a last global batch that leaves a rank fewer than four is left out of the
-    epoch (other images each epoch in the shuffled order, the dataset's last ones with --rect)."""
+    shuffle=False (--rect): the dataset is built with the global batch, so that the images of global batch k have
+    upstream's shape for it whichever rank trains them. quad (--quad): collate_fn4 makes one image of each four, so a
+    last global batch that leaves a rank fewer than four is left out of the epoch."""
 
     def __init__(self, num_images: int, global_batch: int, rank: int, world: int, seed: int, shuffle=True,
                  quad=False):

@@ -1,5 +1,5 @@
-"""What differs between upstream's training scripts, one small named piece per task; yolov9_ddp.trainer is the one
-training loop for all of them (as ultralytics' BaseTrainer with its detect and segment trainers).
+"""What differs between upstream's training scripts, one small named piece per task; trainer.py is the one training
+loop for all of them (as ultralytics' BaseTrainer with its detect and segment trainers).
 
     upstream script          kit entry point             head of the models it trains
     train.py                 ddp_train.py                Detect, DDetect (GELAN, YOLOv7-AF)

@@ -1,15 +1,12 @@
-"""The checkpoint writer process: a child of rank 0, forked as the run sets up, that completes and writes each
-checkpoint the writer thread hands it (checkpoints.Checkpoints), so that the pickling and the write of the model
-objects hold another interpreter's lock, not the training thread's: in a run whose checkpoints a thread and the
-process wrote in turn on one H100, the process's cost the training 0.05-0.25 s a checkpoint and the thread's
-0.35-0.89 s (docs/benchmarks.md).
+"""The checkpoint writer process: a child of rank 0 that completes and writes each checkpoint the writer thread hands
+it (checkpoints.Checkpoints), so that pickling and writing the model objects holds another interpreter's lock, not
+the training thread's (a thread cost training several times as much: docs/benchmarks.md).
 
-Forked while the process is small, before the model, the data and CUDA exist, the child needs no imports of its own
-and no start-up. It gets each checkpoint as its pickle and the bytes of its host copies over a pipe, and answers with
-the error of the write or None. It dies with the thread that forked it (PR_SET_PDEATHSIG), so that a SIGKILLed rank
-leaves no writer behind to finish a file its restart does not expect, and ends when close() tells it to (a message,
-not the pipe's end: the loader's workers, forked after it, hold copies of the pipe's ends). Where none can start, or
-GIVE_UP_AFTER in a row end while writing, the writer thread writes from then on, after one line.
+Forked as the run sets up, before the model, the data and CUDA exist, it needs no start-up. It gets a checkpoint's
+pickle and its host copies' bytes over a pipe and answers with the write's error or None. It dies with its rank
+(PR_SET_PDEATHSIG), leaving no writer to finish a file a restart does not expect, and ends at a STOP message (the
+loader's workers, forked later, hold the pipe's ends too). Where none can start, or GIVE_UP_AFTER in a row end while
+writing, the writer thread writes, after one line.
 """
 import atexit
 import ctypes
