@@ -148,6 +148,18 @@ print('ok')
                args=[requirements])
 
 
+def test_0019_wandb_logs_in_its_offline_mode(tree_without, patched_tree, offline_env, tmp_path):
+    """The real wandb, offline (no server, no account): its login answers False, and the loggers turned W&B off."""
+    code = '''
+import utils.loggers
+assert utils.loggers.wandb is not None, 'W&B turned off in its offline mode'
+print('ok')
+'''
+    env = {**offline_env, 'WANDB_MODE': 'offline', 'RANK': '0', 'WANDB_DIR': str(tmp_path),
+           'WANDB_CONFIG_DIR': str(tmp_path), 'WANDB_CACHE_DIR': str(tmp_path)}
+    assert_fix(tree_without(19), patched_tree, code, env, ['W&B turned off in its offline mode'])
+
+
 @pytest.mark.slow
 def test_0002_models_common_imports_without_ipython(tree_without, patched_tree, offline_env):
     code = HIDE.format(name='IPython') + '''
