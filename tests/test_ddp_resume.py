@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from testsupport.faults import (children_of, faulty_torchrun, one_error_line_problems, results_epochs,
                                weights_snapshot)
@@ -232,8 +233,8 @@ def test_a_run_of_kit_0_6_0_resumes_at_its_step_once_the_clone_is_upgraded(pinne
     archive = subprocess.run(['git', '-C', str(KIT), 'archive', PREVIOUS_RELEASE], capture_output=True, check=True)
     tarfile.open(fileobj=io.BytesIO(archive.stdout)).extractall(old_kit, filter='data')
     assert run_applier(tree, kit=old_kit).returncode == 0
-    job = start([sys.executable, 'ddp_train_dual.py', *train_args(dataset, project, 2, 4, 64), '--workers', 0,
-                 '--checkpoint-steps', 2], tree)
+    job = start([sys.executable, 'ddp_train_dual.py', *map(str, train_args(dataset, project, 2, 4, 64)),
+                 '--checkpoint-steps', '2'], tree)
     wait_for(lambda: (runs.read_record(project / 'exp').get('saved_position') or [0])[0] == 1, job)
     kill_job(job)
     epoch, step = runs.read_record(project / 'exp')['saved_position']
@@ -248,3 +249,30 @@ def test_a_run_of_kit_0_6_0_resumes_at_its_step_once_the_clone_is_upgraded(pinne
     assert f'resuming epoch {epoch} at step {step} of 16 from ' in output
     assert 'lever' not in output.replace('levers=', ''), 'a lever of 0.6.0 spoken of'
     assert results_epochs(project / 'exp')[-1] == 1 and runs.read_record(project / 'exp')['finished']
+
+
+# -- extending a run ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_finished_run_extended_with_epochs_goes_on_from_its_last_epoch(patched_tree, dataset, tmp_path):
+    """--resume last.pt --epochs 3 on a finished run of 2: its stripped last.pt goes on from its EMA weights with a
+    new optimizer state, to epoch 2, the schedule of 3 epochs from there, in one line; opt.yaml records it. Every
+    other flag given stays the run's, in one line; a total the run has reached already is refused in one line."""
+    project = tmp_path / 'runs'
+    last = project / 'exp' / 'weights' / 'last.pt'
+    assert run([sys.executable, 'ddp_train_dual.py', *train_args(dataset, project, 2, 8, 64)], patched_tree,
+               timeout=300).returncode == 0
+    result = run([sys.executable, 'ddp_train_dual.py', '--resume', last, '--epochs', 3, '--batch-size', 4],
+                 patched_tree, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert ('extending the run from 2 to 3 epochs at epoch 2, from its final EMA weights with a new optimizer state: '
+            'the learning rate follows the schedule of 3 epochs from here') in output
+    assert 'these flags are ignored: --batch-size 4 (the run has 8)' in output
+    assert results_epochs(project / 'exp') == [0, 1, 2] and runs.read_record(project / 'exp')['finished']
+    options = yaml.safe_load((project / 'exp' / 'opt.yaml').read_text())
+    assert options['epochs'] == 3 and options['extended'] == [{'at_epoch': 2, 'from': 2, 'to': 3}]
+    for epochs, fragment in ((3, 'give --epochs beyond its total to train it further'),
+                             (2, '--epochs 2: the run has trained 3 epochs already')):
+        refused = run([sys.executable, 'ddp_train_dual.py', '--resume', last, '--epochs', epochs], patched_tree)
+        assert refused.returncode != 0 and not one_error_line_problems(refused.stderr, fragment), refused.stderr

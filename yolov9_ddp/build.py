@@ -5,6 +5,7 @@ No loop in here.
 import gc
 import inspect
 import logging
+from importlib import import_module
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from utils.general import (LOGGER, check_dataset, check_img_size, check_yaml, co
                            increment_path, init_seeds, intersect_dicts, labels_to_class_weights, methods, one_cycle,
                            one_flat_cycle, yaml_save)
 from utils.torch_utils import EarlyStopping, ModelEMA, smart_optimizer
-from yolov9_ddp import cli, comm, data, graphs, parts, perf, runs, slurm
+from yolov9_ddp import cli, comm, data, experiment, extend, graphs, parts, perf, runs, slurm
 from yolov9_ddp.checkpoints import Checkpoints, ModelMismatch, load_checkpoint, load_everywhere, load_for_resume
 from yolov9_ddp.files import atomic_write, remove_stale_temporaries
 from yolov9_ddp.demo_data import ensure_demo_dataset
@@ -104,6 +105,7 @@ def prepare(task, opt, device, plan, extra_parts=()):
     checkpoints = Checkpoints(LOGGER.warning, WriterProcess(LOGGER.warning)) if comm.is_primary() else None
     try:
         if checkpoints is not None:
+            import_module(task.model_module)  # whose classes the writer, forked next, unpickles
             checkpoints.start_process()  # forked now, while this process is small
         return Trainer(run_parts, **build(task, opt, device, plan, checkpoints))
     except BaseException:
@@ -124,6 +126,8 @@ def build(task, opt, device, plan, checkpoints) -> dict:
     if primary:
         yaml_save(save_dir / 'hyp.yaml', hyp)
         save_options(opt)
+        continued = experiment.logged_before(save_dir)
+        experiment.continue_wandb_run(save_dir)
         loggers = task.loggers(save_dir, opt, hyp, LOGGER)
         for action in methods(loggers):
             callbacks.register_action(action, callback=getattr(loggers, action))
@@ -135,7 +139,10 @@ def build(task, opt, device, plan, checkpoints) -> dict:
     data_dict = comm.run_staged(lambda: check_data(opt))  # may download: rank 0 first
     nc = 1 if opt.single_cls else int(data_dict['nc'])
     names = {0: 'item'} if opt.single_cls and len(data_dict['names']) != 1 else data_dict['names']
-    ckpt = load_everywhere(lambda: initial_checkpoint(opt)) if opt.weights.endswith('.pt') else None
+    extending = extend.new_total(opt, plan)  # the run's total of epochs that --epochs changes, or None
+    ckpt = load_everywhere(lambda: initial_checkpoint(opt, extending is not None)) if opt.weights.endswith('.pt') \
+        else None
+    stripped = ckpt is not None and opt.resume and ckpt.get('optimizer') is None
     model = build_model(task, opt, hyp, nc, ckpt, device, chosen)
     amp = cuda  # upstream's check_amp() passes on every CUDA device
     gs = max(int(model.stride.max()), 32)
@@ -170,6 +177,12 @@ def build(task, opt, device, plan, checkpoints) -> dict:
     run = RunState(scaler, ema, EarlyStopping(patience=opt.patience), len(dataset), batch_size, world, accumulate)
     resumed_mean_loss = restore(ckpt, opt, optimizer, ema, run, raw_model, nb) if ckpt and opt.resume else None
     del ckpt
+    if primary and continued:
+        experiment.continue_tensorboard(loggers, save_dir, run.epoch)
+    if extending is not None:
+        extend.begin(opt, run, extending, stripped, LOGGER.info)
+        if primary:
+            save_options(opt)
     scheduler.last_epoch = run.epoch  # the epoch being trained (upstream's start_epoch - 1 repeats a learning rate)
     freeze_long_lived_objects()
     return dict(task=task, opt=opt, device=device, cuda=cuda, rank=rank, world=world, primary=primary,
@@ -239,11 +252,11 @@ def check_data(opt):
         raise cli.UsageError(f'--data {opt.data}: {e}') from e
 
 
-def initial_checkpoint(opt):
+def initial_checkpoint(opt, extending: bool):
     path = Path(opt.weights)
     if not opt.resume:
         return load_checkpoint(path)
-    ckpt, source = load_for_resume(path, LOGGER.warning)
+    ckpt, source = load_for_resume(path, LOGGER.warning, stripped_ok=extending)
     opt.weights = str(source)
     return ckpt
 
@@ -340,8 +353,9 @@ def rank_local_buffers() -> dict:
 def restore(ckpt, opt, optimizer, ema, run: RunState, model, steps_per_epoch: int):
     """Continue a run: the optimizer, the EMA, the run's state and, where it stopped mid-epoch, each rank's own
     statistics; returns this rank's mean loss there (None at an epoch's start)."""
-    optimizer.load_state_dict(ckpt['optimizer'])
-    ema.ema.load_state_dict(ckpt['ema'].float().state_dict())
+    if ckpt.get('optimizer') is not None:  # else a finished run's, stripped: a new optimizer state (extend.py)
+        optimizer.load_state_dict(ckpt['optimizer'])
+    ema.ema.load_state_dict((ckpt['ema'] or ckpt['model']).float().state_dict())
     run.load_state_dict(ckpt, opt.weights)
     mean_loss = restore_rank_state(run.ranks, comm.get_rank(), run.world, model, ema.ema) if run.ranks else None
     LOGGER.info(run.describe(steps_per_epoch, opt.weights) + f' ({opt.epochs} epochs)')

@@ -50,7 +50,8 @@ def copy_file(source: Path, path: Path):
 
 
 def load_checkpoint(path: Path, require_resume_state=False) -> dict:
-    """torch.load of a run's own checkpoint (a trusted pickle), with the failure modes named."""
+    """torch.load of a run's own checkpoint (a trusted pickle), with the failure modes named; require_resume_state:
+    refuse a final checkpoint, stripped of what a resume needs (but for an extension of the run, extend.py)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f'{path}: no such checkpoint')
@@ -63,22 +64,23 @@ def load_checkpoint(path: Path, require_resume_state=False) -> dict:
     if require_resume_state:
         missing = [k for k in RESUME_KEYS if ckpt.get(k) is None]  # a final checkpoint is stripped of them
         if missing:
-            raise CheckpointError(f'{path} cannot be resumed: it lacks {", ".join(missing)} '
-                                  f'(a stripped final checkpoint?)')
+            raise CheckpointError(f'{path} cannot be resumed: it lacks {", ".join(missing)} (a finished run\'s, stripped: '
+                                  f'give --epochs beyond its total to train it further)')
     return ckpt
 
 
-def load_for_resume(path: Path, log) -> tuple:
-    """(checkpoint, the file it came from): path, or the checkpoint it replaced when path is unusable."""
+def load_for_resume(path: Path, log, stripped_ok=False) -> tuple:
+    """(checkpoint, the file it came from): path, or the checkpoint it replaced when path is unusable; stripped_ok:
+    a finished run's stripped last.pt too (extend.py)."""
     try:
-        return load_checkpoint(path, require_resume_state=True), path
+        return load_checkpoint(path, require_resume_state=not stripped_ok), path
     except CheckpointError as error:
         previous = previous_path(path)
         if not previous.is_file():
             raise
         log(f'WARNING: {error}; resuming from {previous} instead (one checkpoint earlier)')
         try:
-            return load_checkpoint(previous, require_resume_state=True), previous
+            return load_checkpoint(previous, require_resume_state=not stripped_ok), previous
         except CheckpointError as second:
             raise CheckpointError(f'{error}; and {second}') from second
 
@@ -100,7 +102,7 @@ def stripped(ckpt: dict) -> dict:
     without what only a resume needs."""
     if ckpt.get('ema'):
         ckpt['model'] = ckpt['ema']
-    for key in ('optimizer', 'best_fitness', 'ema', 'updates'):
+    for key in ('optimizer', 'ema', 'updates'):  # the best fitness stays: an extension of the run needs it
         ckpt[key] = None
     ckpt['epoch'] = -1
     ckpt['model'].half()

@@ -119,6 +119,9 @@ def add_kit_flags(p):
     kit.add_argument('--checkpoint-minutes', type=float, default=0, metavar='M',
                      help='write a resumable last.pt every M minutes (default: 0, off), as --checkpoint-steps: a '
                           'SIGKILL (the OOM killer, a lost node) then costs about M minutes of training')
+    kit.add_argument('--max-restarts', type=int, default=0, metavar='N',
+                     help='with a --device list outside torchrun, which starts the job itself: restart its workers up '
+                          'to N times after a failure, as torchrun --max-restarts (default: 0)')
     kit.add_argument('--levers', metavar='NAME=0|1,...', default=None,
                      help=f'performance switches ({", ".join(perf.SWITCHES)}), e.g. cudnn_benchmark=0 (recorded in '
                           'opt.yaml: a resume keeps the run\'s unless given again; docs/clone.md)')
@@ -169,6 +172,8 @@ def check_launch(opt):
         raise UsageError(f'--checkpoint-minutes {opt.checkpoint_minutes}: give a number of minutes, or 0 for none')
     if opt.resume and opt.auto_resume:
         raise UsageError('give either --resume or --auto-resume, not both')
+    if opt.max_restarts < 0:
+        raise UsageError(f'--max-restarts {opt.max_restarts}: give a number of restarts, or 0 for none')
 
 
 def divisors(n: int) -> list:

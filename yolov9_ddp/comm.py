@@ -152,7 +152,7 @@ def select_device(device_arg: str) -> torch.device:
     usable GPU: one process trains on the CPU as upstream's does; several are refused, not silently put there."""
     choice = str(device_arg).strip().lower().replace('cuda:', '').replace('none', '')
     local_rank, local_world, world = get_local_rank(), get_local_world_size(), launched_world_size()
-    if choice == 'cpu':
+    if choice and set(choice.split(',')) == {'cpu'}:  # cpu, or cpu,cpu: a CPU process each (launch.py)
         return torch.device('cpu')
     if choice:
         # like upstream: the ids name the visible GPUs; must be set before CUDA initialises

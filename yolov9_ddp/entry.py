@@ -14,7 +14,7 @@ from yolov9_ddp.environment import exit_if_unsupported  # noqa: E402
 
 exit_if_unsupported(Path(sys.argv[0]).name)  # a too-old torch or no OpenCV: one line, not upstream's traceback
 
-from yolov9_ddp import checkpoints, cli, comm, data, failures, runs, shutdown  # noqa: E402
+from yolov9_ddp import checkpoints, cli, comm, data, failures, launch, runs, shutdown  # noqa: E402
 from yolov9_ddp.perf import CUBLAS_WORKSPACE  # noqa: E402
 from yolov9_ddp.tasks import TASKS  # noqa: E402
 
@@ -58,11 +58,17 @@ def main(task_name: str, argv=None, root=None, parts=()) -> int:
     failures.end_children_at_exit()
     try:
         cli.check_launch(opt)
+        launch.check(opt)
         resumes = opt.resume or opt.auto_resume
+        if not resumes and launch.wanted(opt):  # checked once, here, before any worker starts
+            cli.check_options(opt, len(launch.devices(opt.device)), task)
+            return launch.run(sys.argv[0], sys.argv[1:] if argv is None else argv, opt)
         if not resumes:  # a new run's options are its own already: refused before upstream's modules load (4 s)
             device = checked_device(opt, task)
         from yolov9_ddp import build  # upstream's modules
         plan = build.plan_start(opt, cli.given_flags(argv, root, task))  # a resume: opt is the run's from here
+        if resumes and launch.wanted(opt):  # the run's own --device list
+            return launch.run(sys.argv[0], sys.argv[1:] if argv is None else argv, opt)
         if resumes:
             device = checked_device(opt, task)
         comm.print_banner(device, opt.device)

@@ -81,8 +81,8 @@ def banner(device: torch.device, device_arg: str, world_size: int, backend: str)
         f'ROCm {torch.version.hip}' if getattr(torch.version, 'hip', None) else 'no CUDA'
     if device.type == 'cuda':
         devices = f'{torch.cuda.device_count()} x {torch.cuda.get_device_name(device)} on this node'
-    elif str(device_arg).strip().lower() == 'cpu':
-        devices = 'cpu (--device cpu)'
+    elif str(device_arg).strip().lower().startswith('cpu'):
+        devices = f'cpu (--device {str(device_arg).strip()})'
     else:  # no --device and no usable GPU: the CPU, as train_dual.py does, but not silently
         devices = f'cpu (no usable GPU: {cuda_unusable_reason() or "none visible"})'
     return (f'yolov9-ddp {__version__}: torch {torch.__version__} ({cuda}), devices {devices}, '

@@ -29,11 +29,12 @@ from yolov9_ddp.files import atomic_write, previous_path
 RUN_RECORD = 'run.json'
 RUN_LOCK = '.lock'
 HELD = []  # the lock files this process holds open: a lock lasts as long as its process
-START_OPTIONS = ('device', 'workers', 'ddp_timeout', 'save_on_signal',  # this start's where given, else the run's
-                 'checkpoint_steps', 'checkpoint_minutes')
-LAUNCH_OPTIONS = ('local_rank', 'auto_resume')  # always this start's: how it was launched
+# this start's where given, else the run's; --epochs changes the run's total (extend.py)
+START_OPTIONS = ('device', 'workers', 'ddp_timeout', 'save_on_signal', 'checkpoint_steps', 'checkpoint_minutes',
+                 'epochs')
+LAUNCH_OPTIONS = ('local_rank', 'auto_resume', 'max_restarts')  # always this start's: how it was launched
 # given on resume without being overruled: --resume itself, the checkpoint that replaces --weights, the levers,
-# which change the run's (yolov9_ddp.levers.resumed_levers), and --deterministic, which a resume may set
+# which change the run's (perf.resumed), and --deterministic, which a resume may set
 NOT_OVERRULED = ('resume', 'weights', 'levers', 'channels_last', 'deterministic')
 
 
@@ -119,9 +120,12 @@ class RunBusy(Exception):
 
 
 def start_record(plan: RunPlan):
+    """The folder held and its record begun; a finished run stays marked so until it trains again (parts/finish.py),
+    so that a start refused before that leaves it finished."""
     (plan.save_dir / 'weights').mkdir(parents=True, exist_ok=True)
     hold_run(plan.save_dir)
-    write_record(plan.save_dir, job=launcher_job_id(), finished=False)
+    begun = read_record(plan.save_dir)
+    write_record(plan.save_dir, job=launcher_job_id(), finished=bool(begun.get('finished')))
 
 
 def hold_run(folder: Path):

@@ -44,7 +44,7 @@ class RunState:
                       'images': self.images, 'global_batch': self.global_batch, 'ranks': ranks}}
 
     def load_state_dict(self, ckpt: dict, source):
-        self.ema.updates = ckpt['updates']
+        self.ema.updates = ckpt['updates'] or 0  # none in a stripped checkpoint (extend.py)
         if ckpt.get('scaler'):
             self.scaler.load_state_dict(ckpt['scaler'])
         self.best_fitness = self.stopper.best_fitness = ckpt.get('best_fitness') or 0.0

@@ -11,6 +11,10 @@ from yolov9_ddp.parts import Part
 
 
 class Finish(Part):
+    def before_train(self, trainer):
+        if trainer.primary:  # a finished run extended (extend.py) trains again
+            runs.write_record(trainer.save_dir, finished=False)
+
     def after_train(self, trainer):
         last, best = trainer.last, trainer.best
         if trainer.primary:
