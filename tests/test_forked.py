@@ -1,5 +1,5 @@
-"""testsupport/forked.py: a process of a test job forked from one that imported torch and torchvision is what a new
-interpreter would be when its script (or `python -c` code) starts, both for a job the zygote forks
+"""testsupport/forked.py: a process of a test job forked from one that imported torch, torchvision and more is what
+a new interpreter would be when its script (or `python -c` code) starts, both for a job the zygote forks
 (testsupport/zygote.py) and for the workers torchrun forks (testsupport/torchrun.py). Every test that launches a job
 relies on it."""
 import json

@@ -1,7 +1,7 @@
-"""Python scripts of the tests' jobs run in processes forked from one that imported torch and torchvision once,
-instead of new interpreters that import them again: 4.5 s of CPU per process (torchvision alone imports
-torch._dynamo, 1.5 s), most of what a job of a tiny model costs. testsupport/zygote.py forks the launchers and the
-one-process jobs, testsupport/torchrun.py the workers of a launcher.
+"""Python scripts of the tests' jobs run in processes forked from one that imported torch, torchvision and upstream's
+heaviest dependencies once (PRELOADED), instead of new interpreters that import them again: 6 s of CPU per process
+(torchvision alone imports torch._dynamo, 1.5 s), most of what a job of a tiny model costs. testsupport/zygote.py
+forks the launchers and the one-process jobs, testsupport/torchrun.py the workers of a launcher.
 
 A forked process is made what `python SCRIPT ARGS` would be before the script runs: its standard streams, no other
 descriptor of its parent, its session (as asked), folder and environment, the default signal handlers, sys.argv and
@@ -33,7 +33,9 @@ import torch
 
 from yolov9_ddp.failures import exit_without_teardown
 
-PRELOADED = ('torch', 'torchvision')  # what every job imports first, whatever its task
+# What every job imports first, whatever its task: torch and torchvision, then what upstream's utils import at their
+# start (its loggers import wandb where it is installed, as in the tests' venv): 1.6 s of the rest, mostly these three
+PRELOADED = ('torch', 'torchvision', 'wandb', 'pandas', 'matplotlib.pyplot')
 FRESH = ('yolov9_ddp', 'testsupport', 'tqdm')  # the top-level packages a forked process imports again
 READ_AT_RUN_TIME = {  # variables that may differ between the forking process and a forked one
     'LOCAL_RANK', 'RANK', 'GROUP_RANK', 'ROLE_RANK', 'ROLE_NAME', 'LOCAL_WORLD_SIZE', 'WORLD_SIZE',  # torchrun's
@@ -41,8 +43,8 @@ READ_AT_RUN_TIME = {  # variables that may differ between the forking process an
     'FAULT', 'FAULT_DIR', 'FAULT_TASK', 'PROBE_CONFIG', 'COLUMNS', 'TORCH_ELASTIC_SHUTDOWN_TIMEOUT',  # the tests'
     'YOLOV9_TEST_FORKED', 'YOLOV9_TEST_CORES', 'PYTEST_CURRENT_TEST',
     'NUMEXPR_MAX_THREADS',  # numexpr's (not preloaded), which sets it in the tests' own process when pandas loads it
-    # the settings and cache folders of an offline run (testsupport.trees.offline_environment): torch and torchvision
-    # read none of them on import, upstream's modules (imported afresh) and torch.hub when they run
+    # the settings and cache folders of an offline run (testsupport.trees.offline_environment): the PRELOADED
+    # modules read none of them on import, upstream's modules (imported afresh) and torch.hub when they run
     'HOME', 'XDG_CONFIG_HOME', 'XDG_CACHE_HOME', 'YOLOV5_CONFIG_DIR', 'TORCH_HOME'}
 OPT_OUT = 'YOLOV9_TEST_FORKED'  # =0: every process of the job a new interpreter
 

@@ -5,8 +5,8 @@ that are the launcher's, not the kit's.
   own --shutdown-timeout (torch >= 2.8) reaches only the final shutdown: a restart after a failed worker stops the
   others with the built-in 30 s (LocalElasticAgent._stop_workers), and torch 2.4 has no setting at all. A test
   waiting the full 30 s for it proves nothing more.
-- Workers are forked from the launcher once it imported torch and torchvision (testsupport/forked.py), not started
-  as new interpreters: 4.5 s of CPU saved per worker and per restart.
+- Workers are forked from the launcher once it imported torch, torchvision and upstream's heaviest dependencies
+  (testsupport/forked.py), not started as new interpreters: 6 s of CPU saved per worker and per restart.
 - Once torchrun has returned (its workers gone, its summary printed), the launcher exits without the interpreter's
   teardown, which costs a process that imported torch 0.5 to 1 s (yolov9_ddp.failures)."""
 import glob
@@ -34,7 +34,7 @@ def close_within_grace(self, death_sig=None, timeout=30):
 
 
 def fork_workers():
-    """Each worker that forked.forkable allows is forked from here, with torch and torchvision imported."""
+    """Each worker that forked.forkable allows is forked from here, with forked.PRELOADED imported."""
     base_env = dict(os.environ)  # before torchrun adds OMP_NUM_THREADS to it: the threads torch was loaded with
     if base_env.get(forked.OPT_OUT) == '0':
         return

@@ -1,9 +1,9 @@
-"""A process that imported torch and torchvision once and forks the tests' Python jobs (testsupport/forked.py says
-what a forked process is made): a launcher (testsupport/torchrun.py) or a one-process job starts in a tenth of a
-second instead of four. Each process that runs tests starts one on first use per start-up environment (the
-environment less the variables read at run time only: the jobs' of testsupport.jobs, and the offline runs' of
-upstream's scripts, whose network block is imported at start-up), at most MAX_ZYGOTES; popen() and run() are
-subprocess's for the commands a zygote can fork, and subprocess's own for the others.
+"""A process that imported torch, torchvision and more once (forked.PRELOADED) and forks the tests' Python jobs
+(testsupport/forked.py says what a forked process is made): a launcher (testsupport/torchrun.py) or a one-process
+job starts in a tenth of a second instead of six. Each process that runs tests starts one on first use per start-up
+environment (the environment less the variables read at run time only: the jobs' of testsupport.jobs, and the
+offline runs' of upstream's scripts, whose network block is imported at start-up), at most MAX_ZYGOTES; popen() and
+run() are subprocess's for the commands a zygote can fork, and subprocess's own for the others.
 
 A forked job is the zygote's child, not the test's: the zygote reaps it and sends its exit status over the
 connection the test asked on. `python zygote.py SOCKET PADDING` serves until its parent is gone; PADDING makes its
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 ROOM = 16384  # characters of command line a forked job can show (forked.show_command_line)
-MAX_ZYGOTES = 3  # per process that runs tests: each holds torch and torchvision in memory (about 0.4 GB)
+MAX_ZYGOTES = 3  # per process that runs tests: each holds forked.PRELOADED in memory (about 0.5 GB)
 _started = {}  # this process's zygotes by start-up environment (zygote() says what each holds)
 
 
@@ -56,7 +56,7 @@ def start_up_environment(env: dict) -> tuple:
 
 def zygote(env: dict):
     """This process's zygote for env (the base environment of the jobs), started unless running: {'process',
-    'socket', 'env': its environment once torch and torchvision were imported, 'preloaded': what their import
+    'socket', 'env': its environment once forked.PRELOADED was imported, 'preloaded': what their import
     added to it}; None where MAX_ZYGOTES run already."""
     key = start_up_environment(env)
     started = _started.get(key)
