@@ -1,6 +1,6 @@
-"""Rank-0 atomic checkpoints, --resume under torchrun, the automatic resume after torchrun restarts
-workers that were killed (--max-restarts), and which options a resume takes from the run (a resume on another
-number of processes with the run's own options is a job of tests/test_same_run.py)."""
+"""Rank-0 atomic checkpoints, --resume under torchrun, extending a run, and which options a resume takes from the run
+(the automatic resume after torchrun restarts a killed job is a job of tests/test_experiment.py, a resume on another
+number of processes with the run's own options one of tests/test_same_run.py)."""
 import io
 import os
 import shutil
@@ -17,7 +17,7 @@ import yaml
 
 from testsupport.faults import (children_of, faulty_torchrun, one_error_line_problems, results_epochs,
                                weights_snapshot)
-from testsupport.jobs import NEW_INTERPRETERS, job_env, run, torchrun_cmd, train_args
+from testsupport.jobs import job_env, run, torchrun_cmd, train_args
 from testsupport.injected import Fault, to_env
 from testsupport.trees import KIT, copy_tree, run_applier
 from yolov9_ddp import checkpoints, cli, runs
@@ -31,13 +31,6 @@ EPOCHS = 4
 @pytest.fixture(scope='module')
 def dataset(tmp_path_factory):
     return ensure_demo_dataset(tmp_path_factory.mktemp('data') / 'demo', DemoSpec(train=64, val=16, imgsz=64))
-
-
-def checkpoint_epoch(path: Path):
-    try:
-        return checkpoints.load_checkpoint(path)['epoch']
-    except checkpoints.CheckpointError:
-        return None
 
 
 def wait_for(condition, process, timeout=240):
@@ -161,24 +154,6 @@ def test_resume_continues_in_the_same_folder_at_the_next_epoch(patched_tree, dat
 
 
 @pytest.mark.slow
-def test_torchrun_restart_after_a_killed_worker_resumes_by_itself(patched_tree, dataset, tmp_path):
-    project = tmp_path / 'runs'
-    args = train_args(dataset, project, EPOCHS, 4, 64)
-    job = start(torchrun_cmd(2, '--max-restarts', 2, 'ddp_train_dual.py', *args), patched_tree, **NEW_INTERPRETERS)
-    last = project / 'exp' / 'weights' / 'last.pt'
-    wait_for(lambda: checkpoint_epoch(last) is not None, job)
-    victims = children_of(job.pid, 'LOCAL_RANK=1')
-    assert victims, 'rank 1 worker not found'
-    killed_at = checkpoint_epoch(last)
-    os.kill(victims[0], signal.SIGKILL)
-    output, _ = job.communicate(timeout=600)
-    assert job.returncode == 0, output[-3000:]
-    assert 'torchrun restart 1: continuing' in output
-    assert killed_at < EPOCHS - 1, 'killed too late to show a resume'
-    assert_completed_every_epoch(project, output)
-
-
-@pytest.mark.slow
 @pytest.mark.one_core  # one process at a time
 def test_restart_of_a_finished_job_does_not_train_again(patched_tree, dataset, tmp_path, monkeypatch):
     project = tmp_path / 'runs'
@@ -224,6 +199,7 @@ PREVIOUS_RELEASE = 'c355b24'  # kit 0.6.0, whose checkpoints and opt.yaml record
 
 
 @pytest.mark.slow
+@pytest.mark.one_core  # one process at a time
 def test_a_run_of_kit_0_6_0_resumes_at_its_step_once_the_clone_is_upgraded(pinned_upstream, dataset, tmp_path):
     """A clone patched by kit 0.6.0 whose run was killed mid-epoch, then upgraded by this kit (apply_patches.py over
     the old one): --resume continues the run at the step of 0.6.0's periodic checkpoint, its recorded levers of 0.6.0
@@ -254,6 +230,7 @@ def test_a_run_of_kit_0_6_0_resumes_at_its_step_once_the_clone_is_upgraded(pinne
 # -- extending a run ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.one_core  # one process at a time
 def test_a_finished_run_extended_with_epochs_goes_on_from_its_last_epoch(patched_tree, dataset, tmp_path):
     """--resume last.pt --epochs 3 on a finished run of 2: its stripped last.pt goes on from its EMA weights with a
     new optimizer state, to epoch 2, the schedule of 3 epochs from there, in one line; opt.yaml records it. Every

@@ -1,7 +1,8 @@
 """One experiment log across the starts of a run (yolov9_ddp.experiment): TensorBoard's event files in the run folder
 show each epoch's metrics once, and W&B (the real package, offline: no server, no account) continues the run's one
 W&B run, logged by rank 0 alone. One 2-process job, whose rank 0 is killed while it writes epoch 0's checkpoint:
-torchrun's restart starts the run over in the same folder, where the first start logged epoch 0 already."""
+torchrun's restart starts the run over in the same folder, where the first start logged epoch 0 already. The job is
+also the proof that torchrun's restart of a killed job resumes the run by itself and completes it in one folder."""
 import json
 from pathlib import Path
 
