@@ -3,6 +3,7 @@ loader worker, equal to upstream's own RAM cache bit for bit, and leaves nothing
 import multiprocessing
 import os
 import pickle
+import re
 import signal
 import time
 from pathlib import Path
@@ -106,6 +107,13 @@ def shm_entries() -> set:
     return set(os.listdir('/dev/shm'))
 
 
+def left_in_shm(before: set) -> set:
+    """What /dev/shm holds that it did not before, less torch's own per-batch segments (torch_PID_N_N): a loader
+    worker that the kernel SIGKILLs with its rank between torch's shm_open and shm_unlink of one leaves it named.
+    That is torch's, not the cache's; a named segment of the cache shows while the job runs (the test below)."""
+    return {name for name in shm_entries() - before if not re.fullmatch(r'torch_\d+_\d+_\d+', name)}
+
+
 def open_cache_files() -> set:
     """Every cache file any process of this machine holds open."""
     files = set()
@@ -144,7 +152,7 @@ def test_nothing_of_the_cache_outlives_a_sigkilled_job(patched_tree, cache_data,
     finally:
         faults.kill_processes_mentioning(job.marker)
     assert not faults.lingering(job.marker, grace=30)
-    assert shm_entries() - before == set()
+    assert left_in_shm(before) == set()
     assert released(held, grace=30), 'a cache file of the job is still held'
 
 
@@ -159,7 +167,7 @@ def test_a_torchrun_restart_builds_the_cache_again_and_a_completed_job_leaves_no
     for count in (SPEC.train, SPEC.val):  # rank 0 logs each build: once per attempt
         assert outcome.output.count(f'Cached {count} images') == 2, outcome.describe()
     assert not faults.lingering(outcome.jobs[0].marker, grace=30)
-    assert shm_entries() - before == set()
+    assert left_in_shm(before) == set()
 
 
 # -- the cache file ------------------------------------------------------------------------------------------------
