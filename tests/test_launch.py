@@ -17,8 +17,8 @@ from yolov9_ddp import comm, launch
 
 
 def test_the_devices_a_list_names_and_the_lists_refused_before_anything_starts(monkeypatch):
-    assert launch.devices('0,1, 2') == ['0', '1', '2'] and launch.devices('cuda:0') == ['0']
-    assert launch.devices('cpu,cpu') == ['cpu', 'cpu'] and launch.devices('') == []
+    assert comm.listed_devices('0,1, 2') == ['0', '1', '2'] and comm.listed_devices('cuda:0') == ['0']
+    assert comm.listed_devices('cpu,cpu') == ['cpu', 'cpu'] and comm.listed_devices('') == []
 
     def refusal(device, max_restarts=0):
         with pytest.raises(comm.LaunchError) as refused:

@@ -5,8 +5,8 @@ No loop in here.
 import gc
 import inspect
 import logging
-from importlib import import_module
 from dataclasses import replace
+from importlib import import_module
 from pathlib import Path
 
 import numpy as np

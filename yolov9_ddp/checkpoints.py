@@ -64,8 +64,8 @@ def load_checkpoint(path: Path, require_resume_state=False) -> dict:
     if require_resume_state:
         missing = [k for k in RESUME_KEYS if ckpt.get(k) is None]  # a final checkpoint is stripped of them
         if missing:
-            raise CheckpointError(f'{path} cannot be resumed: it lacks {", ".join(missing)} (a finished run\'s, stripped: '
-                                  f'give --epochs beyond its total to train it further)')
+            raise CheckpointError(f'{path} cannot be resumed: it lacks {", ".join(missing)} (a finished run\'s, '
+                                  f'stripped: give --epochs beyond its total to train it further)')
     return ckpt
 
 

@@ -147,12 +147,18 @@ def collective_device() -> torch.device:
     return torch.device('cuda', torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
 
 
+def listed_devices(device_arg) -> list:
+    """The devices --device names: '0,1' -> ['0', '1'], 'cpu,cpu' -> ['cpu', 'cpu'], '' -> []."""
+    choice = str(device_arg or '').strip().lower().replace('cuda:', '')
+    return [item.strip() for item in choice.split(',') if item.strip()]
+
+
 def select_device(device_arg: str) -> torch.device:
     """The device of this process: --device as upstream's ('', 'cpu', '0', '0,1'), LOCAL_RANK picking the GPU. No
     usable GPU: one process trains on the CPU as upstream's does; several are refused, not silently put there."""
     choice = str(device_arg).strip().lower().replace('cuda:', '').replace('none', '')
     local_rank, local_world, world = get_local_rank(), get_local_world_size(), launched_world_size()
-    if choice and set(choice.split(',')) == {'cpu'}:  # cpu, or cpu,cpu: a CPU process each (launch.py)
+    if set(listed_devices(choice)) == {'cpu'}:  # cpu, or cpu,cpu: a CPU process each (launch.py)
         return torch.device('cpu')
     if choice:
         # like upstream: the ids name the visible GPUs; must be set before CUDA initialises

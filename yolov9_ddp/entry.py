@@ -60,15 +60,16 @@ def main(task_name: str, argv=None, root=None, parts=()) -> int:
         cli.check_launch(opt)
         launch.check(opt)
         resumes = opt.resume or opt.auto_resume
+        command = sys.argv[1:] if argv is None else argv  # what each worker of a --device list runs again
         if not resumes and launch.wanted(opt):  # checked once, here, before any worker starts
-            cli.check_options(opt, len(launch.devices(opt.device)), task)
-            return launch.run(sys.argv[0], sys.argv[1:] if argv is None else argv, opt)
+            cli.check_options(opt, len(comm.listed_devices(opt.device)), task)
+            return launch.run(sys.argv[0], command, opt)
         if not resumes:  # a new run's options are its own already: refused before upstream's modules load (4 s)
             device = checked_device(opt, task)
         from yolov9_ddp import build  # upstream's modules
         plan = build.plan_start(opt, cli.given_flags(argv, root, task))  # a resume: opt is the run's from here
         if resumes and launch.wanted(opt):  # the run's own --device list
-            return launch.run(sys.argv[0], sys.argv[1:] if argv is None else argv, opt)
+            return launch.run(sys.argv[0], command, opt)
         if resumes:
             device = checked_device(opt, task)
         comm.print_banner(device, opt.device)

@@ -13,12 +13,6 @@ from yolov9_ddp import comm
 STARTED = 'YOLOV9_DDP_STARTED_BY_DEVICE_LIST'  # in the environment of the workers run() starts
 
 
-def devices(device_arg) -> list:
-    """The devices --device names: '0,1' -> ['0', '1'], 'cpu,cpu' -> ['cpu', 'cpu'], '' -> []."""
-    choice = str(device_arg or '').strip().lower().replace('cuda:', '')
-    return [item.strip() for item in choice.split(',') if item.strip()]
-
-
 def under_launcher() -> bool:
     """Whether torchrun, Slurm's scripts or the legacy launcher started this process (they set WORLD_SIZE)."""
     return 'WORLD_SIZE' in os.environ
@@ -26,7 +20,7 @@ def under_launcher() -> bool:
 
 def check(opt):
     """The device list against how this process was started, before anything is built (comm.LaunchError)."""
-    listed = devices(opt.device)
+    listed = comm.listed_devices(opt.device)
     if under_launcher():
         local = comm.get_local_world_size()
         if len(listed) > 1 and len(listed) != local:
@@ -45,12 +39,12 @@ def check(opt):
 
 def wanted(opt) -> bool:
     """Whether this process starts the job: a list of several devices, and no launcher around it."""
-    return not under_launcher() and len(devices(opt.device)) > 1
+    return not under_launcher() and len(comm.listed_devices(opt.device)) > 1
 
 
 def run(script: str, argv: list, opt) -> int:
     """The job of len(devices) workers, each `python script argv`, on this node; its exit status."""
-    listed = devices(opt.device)
+    listed = comm.listed_devices(opt.device)
     if listed[0] != 'cpu':
         check_gpus(listed)
     from torch.distributed.elastic.multiprocessing.api import SignalException
