@@ -11,6 +11,7 @@ test_labels_with_a_class_beyond_nc and test_every_rank_exits_by_itself_on_labels
 half-way or racing another applier (tests/test_applier.py).
 """
 import json
+import os
 import random
 import shutil
 import signal
@@ -20,14 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from testsupport.faults import (FAULT_EPOCHS, KILL_FAULTS, RAISE_FAULTS, STOP_DEADLINE_S, WORKER_KILL_FAULTS, WORKERS,
-                                completed_run_problems, epochs_redone, failure_scenario, fallback_scenario, fault_args,
-                                faulty_torchrun, interrupted_run, kill_scenario, lost_checkpoints_scenario, node_cmd,
-                                one_error_line_problems, random_kill_scenario, refused_checkpoint_scenario,
-                                run_folders, signal_scenario, slow_filesystem_resume_scenario, stall_scenario,
-                                start_job)
-from testsupport.jobs import PROBE, free_port, train_args
+from testsupport.faults import (FAULT_EPOCHS, FAULTY, KILL_FAULTS, RAISE_FAULTS, STOP_DEADLINE_S, WORKER_KILL_FAULTS,
+                                WORKERS, completed_run_problems, epochs_redone, failure_scenario, fallback_scenario,
+                                fault_args, faulty_torchrun, interrupted_run, kill_scenario, lost_checkpoints_scenario,
+                                node_cmd, one_error_line_problems, random_kill_scenario, refused_checkpoint_scenario,
+                                run_folders, scenario_args, signal_scenario, slow_filesystem_resume_scenario,
+                                stall_scenario, start_job, wait_for_path)
+from testsupport.jobs import PROBE, free_port, launch_cmd, train_args
 from testsupport.injected import Fault
+from yolov9_ddp import checkpoints, state
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures('upstream_importable')]
@@ -197,6 +199,31 @@ def test_sigint_to_a_single_process_run_exits_130(patched_tree, dataset, tmp_pat
                               epochs=EPOCHS, resume=False)
     assert not outcome.problems, outcome.describe()
     assert outcome.jobs[0].returncode == 130, outcome.describe()
+
+
+@pytest.mark.slow
+@pytest.mark.one_core  # one process
+def test_the_next_epoch_trains_while_an_epochs_checkpoint_is_written_and_a_stop_waits_for_the_write(
+        patched_tree, dataset, tmp_path):
+    """The write of epoch 0's last.pt takes WRITE_S (a slow disk, in the writer process): epoch 1's steps run
+    meanwhile, and a SIGTERM then stops the run only once that write is in place, the stop's checkpoint after it."""
+    write_s, project = 8, tmp_path / 'runs'
+    faults = [Fault('slow', where='save', epoch=0, sleep=write_s), Fault('mark', where='loss', epoch=1, step=3)]
+    job = start_job(launch_cmd(1, FAULTY, *scenario_args(dataset, project, EPOCHS)), patched_tree, tmp_path, 'job',
+                    faults)
+    wait_for_path(job.records / 'mark-mark', job)
+    os.kill(job.proc.pid, signal.SIGTERM)
+    job.wait(STOP_DEADLINE_S)
+    fired = {event['fault']['where']: event['time'] for event in job.events('fired')}
+    written = fired['save'] + write_s  # the earliest the write of epoch 0 can end
+    assert fired['loss'] < written, 'epoch 1 waited for the write of epoch 0\'s checkpoint'
+    [ended] = job.events('exit')
+    assert ended['status'] == 128 + signal.SIGTERM and ended['time'] >= written, job.output()[-3000:]
+    weights = project / 'exp' / 'weights'
+    stopped = checkpoints.load_checkpoint(weights / 'last.pt', require_resume_state=True)
+    assert stopped[state.KEY]['epoch'] == 1 and stopped[state.KEY]['step'] >= 3
+    previous = checkpoints.load_checkpoint(weights / 'last.previous.pt')[state.KEY]  # epoch 0's, whole
+    assert (previous['epoch'], previous['step']) == (1, 0)
 
 
 # -- 3. a stuck rank ---------------------------------------------------------------------------------------------------
