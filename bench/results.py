@@ -38,6 +38,15 @@ ONE_GPU_TARGETS = {
     'deterministic_vs_upstream_1gpu': "kit img/s with --deterministic / upstream train_dual.py's, 1 GPU (second "
                                       'epoch, from results.csv)',
     'checkpoint_minutes_1_vs_none_1gpu': 'kit img/s with a step checkpoint every minute / without, 1 GPU',
+    'short_job_vs_upstream_1gpu': "upstream train_dual.py's seconds for a whole fine-tune (6 epochs of 512 images, "
+                                  "batch 16, validation every epoch) / the kit's, 1 GPU",
+    'first_epoch_vs_upstream_1gpu': "upstream's seconds from launch to its first results.csv row / the kit's, the "
+                                    'same fine-tune',
+    'peak_memory_vs_upstream_b16_1gpu': "the kit's peak GPU memory (nvidia-smi) / upstream's, the same fine-tune "
+                                        '(batch 16)',
+    'peak_memory_vs_upstream_b32_1gpu': "the kit's peak GPU memory (nvidia-smi) / upstream's, batch 32 (per-gpu)",
+    'epoch_end_beyond_validation_s_1gpu': "not a ratio: the median of the kit's epoch end minus its validation, in "
+                                          "seconds (its 'epoch N:' log lines), the same fine-tune",
 }
 PARITY = 'parity_map50_95_points'
 # checkpoint_minutes_1_vs_none_1gpu needs epochs of minutes to see a checkpoint a minute (a save at each epoch's end

@@ -9,6 +9,11 @@ CALL (docs/benchmarks.md has the figures and their commands; bench/results.py th
   per-gpu      upstream train_dual.py on N GPUs | the kit on N GPUs                -> per_gpu_vs_upstream_Ngpu
                (--task detect or detect-triple: train.py | ddp_train.py, or train_triple.py | ddp_train_triple.py,
                with ENTRY_POINT_CFGS' model; its series keyed '... (TASK)', no target; per-gpu-det too)
+               (on one GPU also -> peak_memory_vs_upstream_b32_1gpu)
+  short-job    upstream train_dual.py | the kit, one GPU, a whole fine-tune: 6 epochs of 512 images, batch 16,
+               validation every epoch                     -> short_job_vs_upstream_1gpu, first_epoch_vs_upstream_1gpu,
+                                                             peak_memory_vs_upstream_b16_1gpu,
+                                                             epoch_end_beyond_validation_s_1gpu
   per-gpu-det  upstream train_dual.py | the kit | the kit with --deterministic, N GPUs, 2048 images
                                                                                    -> per_gpu_vs_upstream_Ngpu,
                                                                                       deterministic_vs_upstream_Ngpu
@@ -74,6 +79,7 @@ NCCL_SAFETY = {'NCCL_NVLS_ENABLE': '0', 'TORCH_SYMM_MEM_DISABLE_MULTICAST': '1',
 UPSTREAM_NUMERICS = ','.join(f'{name}={int(on)}' for name, on in DETERMINISTIC.items())
 TINY_CFG = str(KIT / 'yolov9_ddp' / 'models' / 'tiny-dual.yaml')
 IN_LOOP = re.compile(r'epoch (\d+): (\d+) images in ([\d.]+) s \(([\d.]+) img/s\)')
+EPOCH_END = re.compile(r'validation ([\d.]+) s, epoch end ([\d.]+) s')  # the kit's 'epoch N: ...' line
 FINAL_MAP = re.compile(r'Final:.*mAP50-95 ([\d.]+)')
 FINAL_LINE = re.compile(r'Final:\S* (.*?)  \(')  # the metrics of the final validation, any task's
 # an upstream model of each entry point's kind (the kit's tiny ones in a dry run)
@@ -93,13 +99,16 @@ SIZES = {
                 parity_epochs=4, steps=(15, 40), run_timeout_s=300,
                 entry=dict(train=1024, val=256, imgsz=320, epochs=3, batch_per_gpu=16),
                 quick_entry=dict(train=64, val=32, imgsz=160, epochs=1, batch_per_gpu=8),
-                ckpt_copies=48),  # 48 x 4096 images: 504 s at 390 img/s, past the (2P + 1) W = 420 s of W = 60, P = 3
+                ckpt_copies=48, fine_tune=photo_data.PhotoSpec(train=512, val=128), fine_tune_epochs=6,
+                fine_tune_batch=16),  # 48 x 4096 images: 504 s at 390 img/s, past the (2P + 1) W = 420 s of W = 60, P = 3
     'dry-run': dict(imgsz=64, batch_per_gpu=4, workers=1, deadline_s=1500,
                     **{name: photo_data.PhotoSpec(train=32, val=16, scale=0.2)
                        for name in ('main', 'short', 'memory', 'small', 'parity')},
                     parity_imgsz=64, parity_batch=8, parity_epochs=2, steps=(2, 3), run_timeout_s=300,
                     entry=dict(train=16, val=8, imgsz=64, epochs=1, batch_per_gpu=4),
-                    quick_entry=dict(train=16, val=8, imgsz=64, epochs=1, batch_per_gpu=4), ckpt_copies=100),
+                    quick_entry=dict(train=16, val=8, imgsz=64, epochs=1, batch_per_gpu=4), ckpt_copies=100,
+                    fine_tune=photo_data.PhotoSpec(train=32, val=16, scale=0.2), fine_tune_epochs=2,
+                    fine_tune_batch=4),
 }
 
 
@@ -229,10 +238,10 @@ class Bench:
             stop(proc, self.cuda)
         return proc, log_path
 
-    def train(self, name, cmd, tree, images, rows=2, memory_at_row=None) -> dict:
-        """Run until results.csv has `rows` rows; img/s of the last epoch, the kit's in-loop figures, peak GPU
-        memory, (memory_at_row) the node's memory for the image cache when that row lands, and the checkpoints the
-        kit recorded in its run.json meanwhile (Checkpoints)."""
+    def train(self, name, cmd, tree, images, rows=2, memory_at_row=None, to_the_end=False) -> dict:
+        """Run until results.csv has `rows` rows (to_the_end: until the run exits, and its seconds); img/s of the
+        last epoch, the kit's in-loop figures and epoch ends, peak GPU memory, (memory_at_row) the node's memory for
+        the image cache when that row lands, and the checkpoints the kit recorded in its run.json meanwhile."""
         csv_path = self.work / 'runs' / name / 'results.csv'
         csv_path.unlink(missing_ok=True)
         sampler = GpuSampler() if self.cuda else None
@@ -240,15 +249,17 @@ class Bench:
         saved = Checkpoints(csv_path.parent)
         proc, log_path = self.launch(name, cmd, tree)
         try:
-            while len(stamps) < rows:
+            while to_the_end or len(stamps) < rows:
                 saved.poll()
                 new = count_rows(csv_path) - len(stamps)
                 stamps += [time.monotonic()] * max(new, 0)
                 if memory_at_row and len(stamps) >= memory_at_row and cache is None:
                     cache = imagecache.node_cache_report(imagecache.descendants(proc.pid))
-                if len(stamps) >= rows:
+                if len(stamps) >= rows and not to_the_end:
                     break
                 if proc.poll() is not None and count_rows(csv_path) <= len(stamps):
+                    if to_the_end and proc.returncode == 0 and len(stamps) >= rows:
+                        break
                     raise RunFailed(f'{name} exited with {proc.returncode} after {len(stamps)} epochs: '
                                     f'{log_tail(log_path)}')
                 if time.monotonic() - started > self.size['run_timeout_s']:
@@ -257,11 +268,18 @@ class Bench:
             if PERIODIC.search(' '.join(cmd)):  # a periodic write of the timed epoch may end after its row
                 saved.wait_for([rows, 0], proc, timeout=30)
         finally:
+            ended = time.monotonic()
             stop(proc, self.cuda)
             peaks = sampler.stop() if sampler else None
+        text = log_path.read_text(errors='replace')
         loop = [dict(zip(('epoch', 'images', 'seconds', 'img_per_s'), map(float, m.groups())))
-                for m in IN_LOOP.finditer(log_path.read_text(errors='replace'))]
+                for m in IN_LOOP.finditer(text)]
         figures = {'first_epoch_end_s': round(stamps[0] - started, 1), 'command': ' '.join(cmd)}
+        if to_the_end:
+            figures['seconds'] = round(ended - started, 1)
+        beyond = [float(end) - float(validation) for validation, end in EPOCH_END.findall(text)]
+        if beyond:
+            figures['epoch_end_beyond_validation_s'] = round(statistics.median(beyond), 3)
         if rows > 1:
             figures.update(img_per_s=round(images / (stamps[-1] - stamps[-2]), 1),
                            epoch_s=round(stamps[-1] - stamps[-2], 2))
@@ -327,13 +345,39 @@ class Bench:
     def per_gpu(self):
         (chosen, suffix), (task, task_suffix) = kit_levers(self.args.kit_levers), self.task()
         key = f'per_gpu_vs_upstream_{self.n}gpu{task_suffix}{suffix}'
+        pairs = {key: ('upstream', 'kit', lambda a, b: ratio(b, a, 'img_per_s'),
+                       of_script(results.TARGETS['per_gpu_vs_upstream_{n}gpu'], task))}
+        if self.n == 1:  # a batch of 32 on one GPU
+            pairs[f'peak_memory_vs_upstream_b32_1gpu{task_suffix}{suffix}'] = (
+                'upstream', 'kit', peak_memory_ratio, results.ONE_GPU_TARGETS['peak_memory_vs_upstream_b32_1gpu'])
         self.rounds({'upstream': self.end_to_end(self.upstream, 'upstream', 'main', task=task),
-                     'kit': self.end_to_end(self.kit, 'kit', 'main', chosen, task=task)},
-                    {key: ('upstream', 'kit', lambda a, b: ratio(b, a, 'img_per_s'),
-                           of_script(results.TARGETS['per_gpu_vs_upstream_{n}gpu'], task))})
+                     'kit': self.end_to_end(self.kit, 'kit', 'main', chosen, task=task)}, pairs)
         if not self.cuda:
             self.record['pairs'][key]['note'] = f"dry run: {task.upstream} refuses DDP without CUDA, so upstream's " \
                                                 'runs were one process (same global batch)'
+
+    def short_job(self):
+        """A fine-tune as most one-GPU users run it, a whole job of a few hundred images with validation every epoch:
+        upstream's train_dual.py | the kit, on one GPU. Its seconds, from launch to the first results row, peak GPU
+        memory, and the kit's epoch end beyond validation (its 'epoch N:' log lines)."""
+        size, data = self.size, self.dataset('fine_tune')
+
+        def whole(tree, tag):
+            def run(i):
+                name = f'{tag}-short-{i}'
+                cmd = self.train_cmd(tree, 1, data, name, epochs=size['fine_tune_epochs'], batch=size['fine_tune_batch'])
+                return self.train(name, cmd, tree, size['fine_tune'].train, rows=1, to_the_end=True)
+            return run
+        targets = results.ONE_GPU_TARGETS
+        self.rounds({'upstream': whole(self.upstream, 'upstream'), 'kit': whole(self.kit, 'kit')}, {
+            'short_job_vs_upstream_1gpu': ('upstream', 'kit', lambda a, b: ratio(a, b, 'seconds'),
+                                           targets['short_job_vs_upstream_1gpu']),
+            'first_epoch_vs_upstream_1gpu': ('upstream', 'kit', lambda a, b: ratio(a, b, 'first_epoch_end_s'),
+                                             targets['first_epoch_vs_upstream_1gpu']),
+            'peak_memory_vs_upstream_b16_1gpu': ('upstream', 'kit', peak_memory_ratio,
+                                                 targets['peak_memory_vs_upstream_b16_1gpu']),
+            'epoch_end_beyond_validation_s_1gpu': ('upstream', 'kit', lambda a, b: b['epoch_end_beyond_validation_s'],
+                                                   targets['epoch_end_beyond_validation_s_1gpu'])})
 
     def per_gpu_det(self):
         """The kit end to end, and with --deterministic, against upstream, alternated in one call; 2048 images, so
@@ -556,7 +600,7 @@ class Bench:
         return figures
 
 
-CALLS = {'per-gpu': Bench.per_gpu, 'per-gpu-det': Bench.per_gpu_det, 'scaling': Bench.scaling, 'step': Bench.step,
+CALLS = {'per-gpu': Bench.per_gpu, 'per-gpu-det': Bench.per_gpu_det, 'short-job': Bench.short_job, 'scaling': Bench.scaling, 'step': Bench.step,
          'loop-lever': Bench.loop_lever, 'val-cache': Bench.val_cache, 'parity': Bench.parity,
          'ckpt-minutes': Bench.ckpt_minutes, 'ckpt-windows': Bench.ckpt_windows, 'entry-points': Bench.entry_points}
 # the options only some calls read, and which: any other call given one refuses it, rather than measure without it
@@ -607,6 +651,13 @@ def kit_levers(lever: str):
     """--kit-levers L: the kit's runs train with --levers L, and the series keys say so (' (--levers L)'), so that
     such a series never stands for a target, which is the defaults'."""
     return (['--levers', lever], f' (--levers {lever})') if lever else ([], '')
+
+
+def peak_memory_ratio(upstream: dict, kit: dict):
+    """The kit's peak GPU memory (nvidia-smi, GPU 0) / upstream's; None on CPUs."""
+    if 'peak_mem_mib' not in kit:
+        return None
+    return round(kit['peak_mem_mib'][0] / upstream['peak_mem_mib'][0], 4)
 
 
 def ratio(numerator: dict, denominator: dict, figure: str) -> float:
