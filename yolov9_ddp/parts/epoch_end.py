@@ -35,8 +35,8 @@ class EpochEnd(Part):
         memory = memory_report(trainer)  # a collective: every rank takes part
         images = len(trainer.dataset)
         LOGGER.info(f'epoch {epoch}: {images} images in {trainer.trained_s:.1f} s '
-                    f'({images / trainer.trained_s:.1f} img/s); validation {validated - started:.1f} s, '
-                    f'epoch end {time.time() - started:.1f} s{memory}')
+                    f'({images / trainer.trained_s:.1f} img/s); validation {validated - started:.2f} s, '
+                    f'epoch end {time.time() - started:.2f} s{memory}')
 
     @staticmethod
     def save(trainer, epoch: int, final: bool, fitness: float):
