@@ -1,6 +1,7 @@
 """The performance choices (yolov9_ddp.perf): what changes how the math is done must not change the math, the five
 switches are checked where they cannot act, and a run's switches are an option recorded with it (opt.yaml,
 checkpoints) that a resume keeps, a run of kit 0.6.0 included."""
+import copy
 import shutil
 from argparse import Namespace
 from dataclasses import asdict, replace
@@ -336,6 +337,48 @@ def test_cuda_graphs_accumulate_gradients_over_micro_steps_as_eager():
     assert list(graphed.clones) == [model.weight]
     assert all(map(torch.equal, accumulated(graphed, graphed=True), eager))
     assert graphed.clones == {} and torch.equal(model.weight.grad, torch.zeros(3, 4)), 'zeroed in place, no clone'
+
+
+@pytest.mark.usefixtures('upstream_importable')
+def test_out_of_gpu_memory_for_the_graphs_the_run_trains_on_without_them_after_one_line(monkeypatch):
+    """A capture out of memory (graphs.capture_graphs, make_graphed_callables stood in for) leaves the BatchNorm
+    statistics as they were and the step runs eagerly; a validation out of memory with graphs lets them go and runs
+    again; without graphs, or once they have gone, the error is the run's."""
+    from yolov9_ddp.trainer import Trainer
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    eager = copy.deepcopy(model)
+
+    def out_of_memory(module, samples, **kwargs):
+        module(*samples)  # a warm-up pass, which updates the statistics
+        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')
+    monkeypatch.setattr(torch.cuda, 'make_graphed_callables', out_of_memory)
+    lines = []
+    graphed = graphs.GraphedModel(model, log=lines.append)
+    x = torch.randn(5, 4)
+    assert torch.equal(graphed(x), eager(x)) and graphed.eager and graphed.clones == {}
+    assert torch.equal(model[1].running_mean, eager[1].running_mean), 'updated by the step alone, not the warm-up'
+    assert len(lines) == 1 and lines[0].startswith('WARNING: out of GPU memory capturing the graphs of a batch of '
+                                                   '(5, 4): training goes on without CUDA graphs'), lines
+
+    def validation(fails: int):
+        calls = []
+
+        def validated(model, plots, compute_loss=True):
+            calls.append(model)
+            if len(calls) <= fails:
+                raise torch.OutOfMemoryError('CUDA out of memory')
+            return 'metrics'
+        return calls, validated
+    calls, validated = validation(1)
+    trainer = SimpleNamespace(perf=Perf(cuda_graphs=True), forward=graphs.GraphedModel(model, log=lines.append),
+                              validated=validated)
+    assert Trainer.validate(trainer, 'ema', plots=False) == 'metrics' and calls == ['ema', 'ema']
+    assert trainer.forward.eager and lines[-1].startswith('WARNING: out of GPU memory in validation: ')
+    for perf, forward in ((Perf(cuda_graphs=True), trainer.forward), (Perf(), model)):
+        calls, validated = validation(1)
+        with pytest.raises(torch.OutOfMemoryError):
+            Trainer.validate(SimpleNamespace(perf=perf, forward=forward, validated=validated), 'ema', plots=False)
+    assert len(lines) == 2
 
 
 # -- recorded with a real run, kept by its resume ---------------------------------------------------------------

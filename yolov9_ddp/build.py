@@ -189,7 +189,7 @@ def build(task, opt, device, plan, checkpoints) -> dict:
                 save_dir=save_dir, weights_dir=save_dir / 'weights', perf=chosen, hyp=hyp, callbacks=callbacks,
                 data_dict=data_dict, nc=nc, names=names, imgsz=imgsz, batch_size=batch_size, amp=amp,
                 model=ddp_model, raw_model=raw_model,
-                forward=graphs.GraphedModel(ddp_model) if chosen.cuda_graphs else ddp_model,
+                forward=graphs.GraphedModel(ddp_model, log=LOGGER.warning) if chosen.cuda_graphs else ddp_model,
                 optimizer=optimizer, lf=lf, scheduler=scheduler, ema=ema, update_ema=EmaUpdater(ema, raw_model),
                 scaler=scaler, compute_loss=task.loss(raw_model, opt, chosen), train_loader=train_loader,
                 batches=data.TrainingBatches(train_loader, opt.epochs), dataset=dataset, nb=nb,

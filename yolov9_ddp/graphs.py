@@ -15,8 +15,9 @@ class GraphedModel:
     gradient to itself (pytorch/pytorch#181723): a gradient is cloned on its way to .grad until the trainer zeroes
     the gradients in place (Trainer.zero_grad), backward then adds into them, and resident() drops the clones."""
 
-    def __init__(self, model: torch.nn.Module, capture=None):
+    def __init__(self, model: torch.nn.Module, capture=None, log=print):
         self.model, self.graphed, self.capture = model, {}, capture or capture_graphs  # tests capture without CUDA
+        self.log, self.eager = log, False
         self.clones = {parameter: parameter.register_hook(torch.clone)
                        for parameter in model.parameters() if parameter.requires_grad}
 
@@ -27,24 +28,47 @@ class GraphedModel:
             self.clones.pop(parameter).remove()
 
     def __call__(self, imgs: torch.Tensor):
+        if self.eager:
+            return self.model(imgs)
         key = (tuple(imgs.shape), imgs.dtype, imgs.is_contiguous(memory_format=torch.channels_last))
         if key not in self.graphed:
-            self.graphed[key] = self.capture(self.model, imgs)
+            try:
+                self.graphed[key] = self.capture(self.model, imgs)
+            except torch.OutOfMemoryError:
+                pass  # stepped down below, once the error and the tensors its frames hold are gone
+            if key not in self.graphed:
+                self.step_down(f'capturing the graphs of a batch of {tuple(imgs.shape)}')
+                return self.model(imgs)
         return self.graphed[key](imgs)
+
+    def step_down(self, where: str):
+        """Out of GPU memory: the graphs and their memory pools go, and the run trains on without them, as with
+        cuda_graphs=0, after one line."""
+        if self.eager:
+            return
+        self.eager, self.graphed = True, {}
+        for hook in self.clones.values():
+            hook.remove()
+        self.clones = {}
+        torch.cuda.empty_cache()
+        self.log(f'WARNING: out of GPU memory {where}: training goes on without CUDA graphs (cuda_graphs=0), which '
+                 f'need memory of their own')
 
 
 def capture_graphs(model: torch.nn.Module, sample: torch.Tensor):
     """The graphed forward of model for inputs like sample. Call under autocast(cache_enabled=False) where the
     training step autocasts: the graph records the casts of the context it is captured in."""
     statistics = {name: buffer.clone() for name, buffer in model.named_buffers()}
-    with captures_checking_this_thread():
-        torch.cuda.make_graphed_callables(model, (sample.clone(),), allow_unused_input=True)
-    graphed = model.forward  # make_graphed_callables sets the module's forward to the graphed one: kept here ...
-    del model.forward  # ... and the module's own restored, so that copies, checkpoints and eval mode stay plain
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            buffer.copy_(statistics[name])  # the warm-up passes updated them
-    return graphed
+    try:
+        with captures_checking_this_thread():
+            torch.cuda.make_graphed_callables(model, (sample.clone(),), allow_unused_input=True)
+        return model.forward  # make_graphed_callables sets the module's forward to the graphed one: kept here ...
+    finally:
+        model.__dict__.pop('forward', None)  # ... and the module's own restored: copies, checkpoints, eval mode
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                buffer.copy_(statistics[name])  # the warm-up passes updated them
+        torch.cuda.empty_cache()  # the warm-up's memory, cached for its side stream, which nothing else uses
 
 
 class ThisThreadsCapture(torch.cuda.graph):

@@ -186,7 +186,17 @@ class Trainer:
 
     def validate(self, model, plots, compute_loss=True):
         """Every rank validates its shard; the task's validation run() gathers the statistics (patched upstream:
-        distributed=True), so all ranks get the same metrics, those of one process over the whole set."""
+        distributed=True), so all ranks get the same metrics, those of one process over the whole set. Out of GPU
+        memory beside CUDA graphs, the graphs go (graphs.GraphedModel.step_down) and it runs again."""
+        try:
+            return self.validated(model, plots, compute_loss)
+        except torch.OutOfMemoryError:
+            if not self.perf.cuda_graphs or self.forward.eager:
+                raise
+        self.forward.step_down('in validation')  # once the error and the tensors its frames hold are gone
+        return self.validated(model, plots, compute_loss)
+
+    def validated(self, model, plots, compute_loss=True):
         return self.task.validate(data=self.data_dict, batch_size=self.batch_size // self.world * 2,
                                   imgsz=self.imgsz, half=self.amp, model=model, single_cls=self.opt.single_cls,
                                   dataloader=self.val_loader, save_dir=self.save_dir, plots=plots and self.primary,
