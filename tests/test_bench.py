@@ -88,6 +88,30 @@ def test_per_gpu_of_another_detection_task_compares_its_upstream_script_with_its
     assert merged['targets']['per_gpu_vs_upstream_1gpu'] is None, 'train_dual.py stands for the target alone'
 
 
+def test_a_short_job_pairs_whole_runs_by_their_seconds_first_epoch_peak_memory_and_the_kits_epoch_end(tmp_path):
+    """short-job's series from made-up runs (Bench.train stood in for): upstream's seconds over the kit's, the kit's
+    memory over upstream's, and the kit's own epoch end beyond validation, each run to its end."""
+    bench = run_bench.Bench.__new__(run_bench.Bench)
+    bench.size, bench.cuda, bench.work, bench.upstream, bench.kit = run_bench.SIZES['gpu'], True, tmp_path, 'up', 'kit'
+    bench.args, bench.started, bench.deadline = SimpleNamespace(call='short-job', pairs=3), 0, 1e9
+    bench.record, bench.call, bench.out, bench.n = {'pairs': {}}, {}, tmp_path, 1
+    bench.dataset = lambda name: f'{name}.yaml'
+    runs = {'up': dict(seconds=60, first_epoch_end_s=20, peak_mem_mib={0: 10000}),
+            'kit': dict(seconds=30, first_epoch_end_s=25, peak_mem_mib={0: 11000}, epoch_end_beyond_validation_s=0.05)}
+    asked = []
+
+    def train(name, cmd, tree, images, rows=2, to_the_end=False):
+        asked.append((tree, cmd[cmd.index('--epochs') + 1], cmd[cmd.index('--batch-size') + 1], rows, to_the_end))
+        return runs[tree]
+    bench.train = train
+    run_bench.Bench.short_job(bench)
+    assert asked == [('up', '6', '16', 1, True), ('kit', '6', '16', 1, True)] * 3
+    medians = {key: series['median'] for key, series in bench.record['pairs'].items()}
+    assert medians == {'short_job_vs_upstream_1gpu': 2.0, 'first_epoch_vs_upstream_1gpu': 0.8,
+                       'peak_memory_vs_upstream_b16_1gpu': 1.1, 'epoch_end_beyond_validation_s_1gpu': 0.05}
+    assert set(medians) <= set(results.ONE_GPU_TARGETS)
+
+
 def test_an_option_the_call_does_not_read_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
     def main(*argv):
         monkeypatch.setattr(sys, 'argv', ['run_bench.py', *argv, '--out', str(tmp_path)])
