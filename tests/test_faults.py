@@ -205,7 +205,7 @@ def test_sigint_to_a_single_process_run_exits_130(patched_tree, dataset, tmp_pat
 @pytest.mark.one_core  # one process
 def test_the_next_epoch_trains_while_an_epochs_checkpoint_is_written_and_a_stop_waits_for_the_write(
         patched_tree, dataset, tmp_path):
-    """The write of epoch 0's last.pt takes WRITE_S (a slow disk, in the writer process): epoch 1's steps run
+    """The write of epoch 0's last.pt takes 8 s (a slow disk, in the writer process): epoch 1's steps run
     meanwhile, and a SIGTERM then stops the run only once that write is in place, the stop's checkpoint after it."""
     write_s, project = 8, tmp_path / 'runs'
     faults = [Fault('slow', where='save', epoch=0, sleep=write_s), Fault('mark', where='loss', epoch=1, step=3)]

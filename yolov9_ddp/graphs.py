@@ -44,8 +44,6 @@ class GraphedModel:
     def step_down(self, where: str):
         """Out of GPU memory: the graphs and their memory pools go, and the run trains on without them, as with
         cuda_graphs=0, after one line."""
-        if self.eager:
-            return
         self.eager, self.graphed = True, {}
         for hook in self.clones.values():
             hook.remove()
