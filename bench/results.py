@@ -45,6 +45,9 @@ ONE_GPU_TARGETS = {
     'peak_memory_vs_upstream_b16_1gpu': "the kit's peak GPU memory (nvidia-smi) / upstream's, the same fine-tune "
                                         '(batch 16)',
     'peak_memory_vs_upstream_b32_1gpu': "the kit's peak GPU memory (nvidia-smi) / upstream's, batch 32 (per-gpu)",
+    'fits_where_upstream_fits_1gpu': "1 where the kit completed with GPU memory left free for upstream's peak + 15% "
+                                     '(a ballast process holds the rest), 0 where not; pairs where upstream '
+                                     'completed (the fits call, batch 32)',
     'epoch_end_beyond_validation_s_1gpu': "not a ratio: the median of the kit's epoch end minus its validation, in "
                                           "seconds (its 'epoch N:' log lines), the same fine-tune",
 }

@@ -14,6 +14,8 @@ CALL (docs/benchmarks.md has the figures and their commands; bench/results.py th
                validation every epoch                     -> short_job_vs_upstream_1gpu, first_epoch_vs_upstream_1gpu,
                                                              peak_memory_vs_upstream_b16_1gpu,
                                                              epoch_end_beyond_validation_s_1gpu
+  fits         upstream train_dual.py | the kit, one GPU, 2 epochs of short-job's fine-tune at batch 32, a ballast
+               process leaving upstream's peak + 15% free   -> fits_where_upstream_fits_1gpu (1 or 0)
   per-gpu-det  upstream train_dual.py | the kit | the kit with --deterministic, N GPUs, 2048 images
                                                                                    -> per_gpu_vs_upstream_Ngpu,
                                                                                       deterministic_vs_upstream_Ngpu
@@ -381,6 +383,34 @@ class Bench:
                                                    lambda a, b: b.get('epoch_end_beyond_validation_s'),
                                                    targets['epoch_end_beyond_validation_s_1gpu'])})
 
+    def fits(self):
+        """The same command fits where upstream's does: a ballast process leaves upstream's own peak (nvidia-smi,
+        from a run of it alone first) plus 15% of GPU 0 free, and then upstream | the kit train a 2-epoch fine-tune
+        at batch 32 (the tighter batch). A pair is 1 where the kit completed, 0 where it did not; a pair where
+        upstream did not complete has no figure. No ballast on CPUs."""
+        size, data = self.size, self.dataset('fine_tune')
+
+        def job(tree, tag, leave_mib=None, may_fail=False):
+            def run(i):
+                name = f'{tag}-fits-{i}'
+                cmd = self.train_cmd(tree, 1, data, name, epochs=2, batch=2 * size['fine_tune_batch'])
+                with Ballast(leave_mib if self.cuda else None) as ballast:
+                    try:
+                        return {**self.train(name, cmd, tree, size['fine_tune'].train, rows=1, to_the_end=True),
+                                'completed': 1, 'ballast_mib': ballast.mib}
+                    except RunFailed as e:
+                        if not may_fail:
+                            raise
+                        return {'completed': 0, 'ballast_mib': ballast.mib, 'failure': str(e)[-1500:]}
+            return run
+        alone = job(self.upstream, 'upstream-alone')(0)
+        leave = round(alone['peak_mem_mib'][0] * FITS_HEADROOM) if 'peak_mem_mib' in alone else None
+        self.call['fits_free_mib'] = leave
+        self.rounds({'upstream': job(self.upstream, 'upstream', leave),
+                     'kit': job(self.kit, 'kit', leave, may_fail=True)}, {
+            'fits_where_upstream_fits_1gpu': ('upstream', 'kit', lambda a, b: b['completed'],
+                                              results.ONE_GPU_TARGETS['fits_where_upstream_fits_1gpu'])})
+
     def per_gpu_det(self):
         """The kit end to end, and with --deterministic, against upstream, alternated in one call; 2048 images, so
         that three rounds of three runs fit one call on one GPU."""
@@ -603,6 +633,7 @@ class Bench:
 
 
 CALLS = {'per-gpu': Bench.per_gpu, 'per-gpu-det': Bench.per_gpu_det, 'short-job': Bench.short_job,
+         'fits': Bench.fits,
          'scaling': Bench.scaling, 'step': Bench.step, 'loop-lever': Bench.loop_lever, 'val-cache': Bench.val_cache,
          'parity': Bench.parity,
          'ckpt-minutes': Bench.ckpt_minutes, 'ckpt-windows': Bench.ckpt_windows, 'entry-points': Bench.entry_points}
@@ -654,6 +685,36 @@ def kit_levers(lever: str):
     """--kit-levers L: the kit's runs train with --levers L, and the series keys say so (' (--levers L)'), so that
     such a series never stands for a target, which is the defaults'."""
     return (['--levers', lever], f' (--levers {lever})') if lever else ([], '')
+
+
+FITS_HEADROOM = 1.15  # the memory left free for a run of the fits call: upstream's peak and 15%
+
+
+class Ballast:
+    """GPU 0's memory held by a process of its own (a context manager) so that only leave_mib stay free; mib: what
+    it holds. None (CPUs): nothing held."""
+    CODE = ('import sys, torch; free, _ = torch.cuda.mem_get_info(0); '
+            "held = torch.empty(max(free - int(sys.argv[1]) * 2 ** 20, 0), dtype=torch.uint8, device='cuda:0'); "
+            'print(held.numel() // 2 ** 20, flush=True); sys.stdin.read()')
+
+    def __init__(self, leave_mib):
+        self.leave_mib, self.proc, self.mib = leave_mib, None, 0
+
+    def __enter__(self):
+        if self.leave_mib is not None:
+            self.proc = subprocess.Popen([sys.executable, '-c', self.CODE, str(self.leave_mib)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True)
+            line = self.proc.stdout.readline()
+            if not line.strip().isdigit():
+                self.__exit__()
+                raise RunFailed(f'the ballast process could not hold GPU memory (exit {self.proc.returncode})')
+            self.mib = int(line)
+        return self
+
+    def __exit__(self, *_):
+        if self.proc is not None:
+            self.proc.stdin.close()  # it ends, and its memory with it
+            self.proc.wait(timeout=60)
 
 
 def peak_memory_ratio(upstream: dict, kit: dict):

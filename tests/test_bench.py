@@ -112,6 +112,45 @@ def test_a_short_job_pairs_whole_runs_by_their_seconds_first_epoch_peak_memory_a
     assert set(medians) <= set(results.ONE_GPU_TARGETS)
 
 
+def test_fits_runs_each_pair_with_upstreams_own_peak_and_15_percent_free_and_counts_the_kits_completions(
+        tmp_path, monkeypatch):
+    """fits from made-up runs (Bench.train and the ballast stood in for): upstream alone first gives the memory to
+    leave free; a kit run that fails is a 0, a pair where upstream failed has no figure."""
+    bench = run_bench.Bench.__new__(run_bench.Bench)
+    bench.size, bench.cuda, bench.work, bench.upstream, bench.kit = run_bench.SIZES['gpu'], True, tmp_path, 'up', 'kit'
+    bench.args, bench.started, bench.deadline = SimpleNamespace(call='fits', pairs=3), 0, 1e9
+    bench.record, bench.call, bench.out, bench.n = {'pairs': {}}, {}, tmp_path, 1
+    bench.dataset = lambda name: f'{name}.yaml'
+    left_free, runs = [], []
+
+    class Ballast:
+        def __init__(self, leave_mib):
+            self.mib = 0
+            left_free.append(leave_mib)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_):
+            pass
+
+    def train(name, cmd, tree, images, rows=2, to_the_end=False):
+        runs.append((name, cmd[cmd.index('--epochs') + 1], cmd[cmd.index('--batch-size') + 1], to_the_end))
+        if name in ('kit-fits-1', 'upstream-fits-2'):
+            raise run_bench.RunFailed(f'{name} exited with 1 after 0 epochs: out of GPU memory')
+        return dict(seconds=30, peak_mem_mib={0: 10000})
+    monkeypatch.setattr(run_bench, 'Ballast', Ballast)
+    bench.train = train
+    run_bench.Bench.fits(bench)
+    assert [name for name, *_ in runs] == ['upstream-alone-fits-0'] + [f'{side}-fits-{i}' for i in range(3)
+                                                                      for side in ('upstream', 'kit')]
+    assert {tuple(rest) for _, *rest in runs} == {('2', '32', True)}
+    assert left_free == [None] + [11500] * 6
+    series = bench.record['pairs']['fits_where_upstream_fits_1gpu']
+    assert [pair['ratio'] for pair in series['pairs']] == [1, 0, None]
+    assert 'out of GPU memory' in series['pairs'][1]['b']['failure']
+
+
 def test_an_option_the_call_does_not_read_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
     def main(*argv):
         monkeypatch.setattr(sys, 'argv', ['run_bench.py', *argv, '--out', str(tmp_path)])
