@@ -12,7 +12,7 @@ from collections import OrderedDict, defaultdict
 import torch
 from torch import nn
 
-MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+CHANNELS_LAST = (torch.channels_last, torch.channels_last_3d)
 
 
 class QueuedHostCopy:
@@ -95,7 +95,7 @@ def queue_host_copies(tensors: list) -> tuple:
         sizes = [tensors[i].numel() for i in indices]
         buffer = torch.empty(sum(sizes), dtype=dtype, pin_memory=device.type == 'cuda')
         for i, start in zip(indices, itertools.accumulate(sizes, initial=0)):
-            copies[i] = buffer[start:].as_strided(tensors[i].shape, tensors[i].stride())
+            copies[i] = buffer.as_strided(tensors[i].shape, tensors[i].stride(), start)
         with torch.no_grad():
             torch._foreach_copy_([copies[i] for i in indices], [tensors[i] for i in indices], non_blocking=True)
     gpus = {tensor.device for tensor in tensors if tensor.is_cuda}  # one: a rank's state lives on its GPU
@@ -108,8 +108,8 @@ def queue_host_copies(tensors: list) -> tuple:
 
 def dense(tensor: torch.Tensor) -> bool:
     """Whether tensor's elements fill its memory without gaps, in the order of one of torch's memory formats."""
-    return tensor.layout == torch.strided and any(tensor.is_contiguous(memory_format=memory_format)
-                                                  for memory_format in MEMORY_FORMATS)
+    return tensor.layout == torch.strided and (tensor.is_contiguous() or any(
+        tensor.is_contiguous(memory_format=memory_format) for memory_format in CHANNELS_LAST))
 
 
 def own_tensor(copy: torch.Tensor, parameter: bool, requires_grad: bool) -> torch.Tensor:
