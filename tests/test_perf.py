@@ -418,3 +418,33 @@ def test_a_resume_trains_with_the_runs_switches_unless_given_again(patched_tree,
     assert recorded_levers(run_dir) == (expected, expected)
     changes = [line for line in job.output().splitlines() if 'levers changed' in line]
     assert changes == ([] if change is None else [change]), changes
+
+
+@pytest.mark.usefixtures('upstream_importable')
+def test_validation_runs_without_cudnn_autotuning_and_training_gets_it_back_whatever_validation_does():
+    """Validation's rectangular batches have many shapes: it runs at cuDNN's default algorithms, as upstream's, and
+    the training's autotuning is back afterwards, after an error too."""
+    import torch
+    from yolov9_ddp.trainer import Trainer
+    seen = []
+
+    def validate(**options):
+        seen.append((torch.backends.cudnn.benchmark, options['model']))
+        if options['model'] == 'failing':
+            raise torch.OutOfMemoryError('out of memory')
+        return 'metrics'
+    task = SimpleNamespace(validate=validate, validation_options=lambda opt: {})
+    trainer = SimpleNamespace(task=task, data_dict={}, batch_size=8, world=1, imgsz=64, amp=False,
+                              opt=SimpleNamespace(single_cls=False), val_loader=None, save_dir=None, primary=True,
+                              callbacks=None, compute_loss=None)
+    before = torch.backends.cudnn.benchmark
+    try:
+        torch.backends.cudnn.benchmark = True
+        assert Trainer.validated(trainer, 'ema', plots=False) == 'metrics'
+        assert torch.backends.cudnn.benchmark
+        with pytest.raises(torch.OutOfMemoryError):
+            Trainer.validated(trainer, 'failing', plots=False)
+        assert torch.backends.cudnn.benchmark
+    finally:
+        torch.backends.cudnn.benchmark = before
+    assert seen == [(False, 'ema'), (False, 'failing')]

@@ -5,7 +5,7 @@ A user can set five switches, `--levers name=0|1,...` (`--channels-last` is shor
 
     cuda_graphs       the model's forward and backward replayed as CUDA graphs, gradients zeroed in place
     channels_last     NHWC tensors for the convolutions
-    cudnn_benchmark   autotuned convolutions instead of upstream's deterministic algorithms
+    cudnn_benchmark   autotuned convolutions in training instead of upstream's deterministic algorithms
     fused_optimizer   one fused kernel per parameter group for the optimizer step (CUDA)
     dense_box_loss    detection losses: targets padded on the host, the box loss over every anchor (boxloss.py)
 

@@ -197,12 +197,18 @@ class Trainer:
         return self.validated(model, plots, compute_loss)
 
     def validated(self, model, plots, compute_loss=True):
-        return self.task.validate(data=self.data_dict, batch_size=self.batch_size // self.world * 2,
-                                  imgsz=self.imgsz, half=self.amp, model=model, single_cls=self.opt.single_cls,
-                                  dataloader=self.val_loader, save_dir=self.save_dir, plots=plots and self.primary,
-                                  verbose=plots, callbacks=self.callbacks,
-                                  compute_loss=self.compute_loss if compute_loss else None,
-                                  distributed=self.world > 1, **self.task.validation_options(self.opt))
+        """The task's validation, with cuDNN's default algorithms as upstream's: its rectangular batches have many
+        shapes, and autotuning each new one costs the first epochs more time and workspace memory than it saves."""
+        benchmark, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, False
+        try:
+            return self.task.validate(data=self.data_dict, batch_size=self.batch_size // self.world * 2,
+                                      imgsz=self.imgsz, half=self.amp, model=model, single_cls=self.opt.single_cls,
+                                      dataloader=self.val_loader, save_dir=self.save_dir,
+                                      plots=plots and self.primary, verbose=plots, callbacks=self.callbacks,
+                                      compute_loss=self.compute_loss if compute_loss else None,
+                                      distributed=self.world > 1, **self.task.validation_options(self.opt))
+        finally:
+            torch.backends.cudnn.benchmark = benchmark
 
     def save(self, epoch: int, step: int, name: str, then=(), skip_if_busy=False) -> bool:
         """The run's checkpoint at (epoch, step) into last.pt, written off the training thread by rank 0, run.json
