@@ -82,6 +82,7 @@ UPSTREAM_NUMERICS = ','.join(f'{name}={int(on)}' for name, on in DETERMINISTIC.i
 TINY_CFG = str(KIT / 'yolov9_ddp' / 'models' / 'tiny-dual.yaml')
 IN_LOOP = re.compile(r'epoch (\d+): (\d+) images in ([\d.]+) s \(([\d.]+) img/s\)')
 EPOCH_END = re.compile(r'validation ([\d.]+) s, epoch end ([\d.]+) s')  # the kit's 'epoch N: ...' line
+RESERVED = re.compile(r'epoch end [\d.]+ s; peak reserved MiB per rank (\d+)')  # its GPU 0's, on the same line
 FINAL_MAP = re.compile(r'Final:.*mAP50-95 ([\d.]+)')
 FINAL_LINE = re.compile(r'Final:\S* (.*?)  \(')  # the metrics of the final validation, any task's
 # an upstream model of each entry point's kind (the kit's tiny ones in a dry run)
@@ -282,6 +283,8 @@ class Bench:
         beyond = [float(end) - float(validation) for validation, end in EPOCH_END.findall(text)]
         if beyond:
             figures['epoch_end_beyond_validation_s'] = round(statistics.median(beyond), 3)
+        if RESERVED.search(text):  # whether reserved memory grows after the first epoch
+            figures['reserved_mib_by_epoch'] = [int(mib) for mib in RESERVED.findall(text)]
         if rows > 1:
             figures.update(img_per_s=round(images / (stamps[-1] - stamps[-2]), 1),
                            epoch_s=round(stamps[-1] - stamps[-2], 2))
