@@ -198,7 +198,7 @@ class Trainer:
 
     def validated(self, model, plots, compute_loss=True):
         """The task's validation, with cuDNN's default algorithms as upstream's: its rectangular batches have many
-        shapes, and autotuning each new one costs the first epochs more time and workspace memory than it saves."""
+        shapes, and autotuning each new one spends time and workspace memory on the first epochs."""
         benchmark, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, False
         try:
             return self.task.validate(data=self.data_dict, batch_size=self.batch_size // self.world * 2,
