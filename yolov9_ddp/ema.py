@@ -24,8 +24,8 @@ def floating_state(model: nn.Module):
 
 
 def synchronize_ema(ema, model: nn.Module):
-    """Average the model's normalisation statistics and the EMA's floating state over all ranks (one process: no
-    walk over the modules, which costs an epoch's end 10-20 ms)."""
+    """Average the model's normalisation statistics and the EMA's floating state over all ranks; one process has
+    nothing to average, and skips the walk over every module."""
     if not is_distributed():
         return
     average_tensors_(norm_statistics(model))
