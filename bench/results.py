@@ -48,6 +48,8 @@ ONE_GPU_TARGETS = {
     'fits_where_upstream_fits_1gpu': "1 where the kit completed with GPU memory left free for upstream's peak + 15% "
                                      '(a ballast process holds the rest), 0 where not; pairs where upstream '
                                      'completed (the fits call, batch 32)',
+    'shared_node_epochs_vs_upstream': "epochs the kit's runs completed / upstream's, 4 single-GPU runs of each side "
+                                      'at once on one GPU for the same seconds (the shared-node call)',
     'epoch_end_beyond_validation_s_1gpu': "not a ratio: the median of the kit's epoch end minus its validation, in "
                                           "seconds (its 'epoch N:' log lines), the same fine-tune",
 }

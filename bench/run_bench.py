@@ -16,6 +16,8 @@ CALL (docs/benchmarks.md has the figures and their commands; bench/results.py th
                                                              epoch_end_beyond_validation_s_1gpu
   fits         upstream train_dual.py | the kit, one GPU, 2 epochs of short-job's fine-tune at batch 32, a ballast
                process leaving upstream's peak + 15% free   -> fits_where_upstream_fits_1gpu (1 or 0)
+  shared-node  4 runs of upstream train_dual.py at once | 4 of the kit, one GPU and the node's CPUs shared, 80 s
+               each side, 128 images at 320 px, batch 16    -> shared_node_epochs_vs_upstream (epochs completed)
   per-gpu-det  upstream train_dual.py | the kit | the kit with --deterministic, N GPUs, 2048 images
                                                                                    -> per_gpu_vs_upstream_Ngpu,
                                                                                       deterministic_vs_upstream_Ngpu
@@ -103,7 +105,8 @@ SIZES = {
                 entry=dict(train=1024, val=256, imgsz=320, epochs=3, batch_per_gpu=16),
                 quick_entry=dict(train=64, val=32, imgsz=160, epochs=1, batch_per_gpu=8),
                 ckpt_copies=48,  # 48 x 4096 images: 504 s at 390 img/s, past the (2P + 1) W = 420 s of W = 60, P = 3
-                fine_tune=photo_data.PhotoSpec(train=512, val=128), fine_tune_epochs=6, fine_tune_batch=16),
+                fine_tune=photo_data.PhotoSpec(train=512, val=128), fine_tune_epochs=6, fine_tune_batch=16,
+                shared=photo_data.PhotoSpec(train=128, val=32), shared_imgsz=320, shared_runs=4, shared_s=80),
     'dry-run': dict(imgsz=64, batch_per_gpu=4, workers=1, deadline_s=1500,
                     **{name: photo_data.PhotoSpec(train=32, val=16, scale=0.2)
                        for name in ('main', 'short', 'memory', 'small', 'parity')},
@@ -111,7 +114,8 @@ SIZES = {
                     entry=dict(train=16, val=8, imgsz=64, epochs=1, batch_per_gpu=4),
                     quick_entry=dict(train=16, val=8, imgsz=64, epochs=1, batch_per_gpu=4), ckpt_copies=100,
                     fine_tune=photo_data.PhotoSpec(train=32, val=16, scale=0.2), fine_tune_epochs=2,
-                    fine_tune_batch=4),
+                    fine_tune_batch=4, shared=photo_data.PhotoSpec(train=16, val=8, scale=0.2), shared_imgsz=64,
+                    shared_runs=2, shared_s=25),
 }
 
 
@@ -199,11 +203,11 @@ class Bench:
     # -- one training run, timed from outside -----------------------------------------------------------------------
 
     def train_cmd(self, tree, gpus, data, name, epochs=3, extra=(), cfg=None, imgsz=None, batch=None, seed=0,
-                  task=TASKS[DEFAULT_TASK]):
+                  task=TASKS[DEFAULT_TASK], workers=None):
         upstream = tree == self.upstream
         size = self.size
         batch = batch or size['batch_per_gpu'] * gpus
-        workers = size['workers'] if upstream else os.cpu_count()  # the kit caps it by the CPUs per process
+        workers = workers or (size['workers'] if upstream else os.cpu_count())  # the kit caps it by its CPUs
         device = ','.join(str(i) for i in range(gpus)) if self.cuda else 'cpu'
         args = ['--data', data, '--cfg', cfg or self.model_of(task), '--hyp', 'data/hyps/hyp.scratch-high.yaml',
                 '--epochs', epochs, '--batch-size', batch, '--imgsz', imgsz or size['imgsz'], '--workers', workers,
@@ -413,6 +417,40 @@ class Bench:
                      'kit': job(self.kit, 'kit', leave, may_fail=True)}, {
             'fits_where_upstream_fits_1gpu': ('upstream', 'kit', lambda a, b: b['completed'],
                                               results.ONE_GPU_TARGETS['fits_where_upstream_fits_1gpu'])})
+
+    def shared_node(self):
+        """Single-GPU runs sharing one GPU and the node's CPUs, as a hyperparameter sweep runs them: shared_runs runs
+        of upstream at once | as many of the kit, each side for shared_s seconds with the same command (seeds apart,
+        upstream's default --workers 8); the epochs they completed meanwhile (results.csv rows), summed."""
+        size, data = self.size, self.dataset('shared')
+
+        def side(tree, tag):
+            def run(i):
+                runs = []
+                for k in range(size['shared_runs']):
+                    name = f'{tag}-shared-{i}-{k}'
+                    csv_path = self.work / 'runs' / name / 'results.csv'
+                    csv_path.unlink(missing_ok=True)
+                    cmd = self.train_cmd(tree, 1, data, name, epochs=1000, imgsz=size['shared_imgsz'], seed=k,
+                                         batch=size['fine_tune_batch'], workers=size['workers'])
+                    runs.append((*self.launch(name, cmd, tree), csv_path))
+                try:
+                    time.sleep(size['shared_s'])
+                    epochs = [count_rows(csv_path) for _, _, csv_path in runs]
+                    for proc, log_path, _ in runs:
+                        if proc.poll() is not None:
+                            raise RunFailed(f'{tag} run exited with {proc.returncode}: {log_tail(log_path)}')
+                finally:
+                    for proc, *_ in runs:
+                        stop(proc, cuda=False)
+                    time.sleep(2 if self.cuda else 0)  # the GPU's memory drains
+                figures = {'epochs': sum(epochs), 'per_run': epochs, 'seconds': size['shared_s']}
+                print(f'   {tag}-shared-{i}: {json.dumps(figures)}', flush=True)
+                return figures
+            return run
+        self.rounds({'upstream': side(self.upstream, 'upstream'), 'kit': side(self.kit, 'kit')}, {
+            'shared_node_epochs_vs_upstream': ('upstream', 'kit', lambda a, b: ratio(b, a, 'epochs'),
+                                               results.ONE_GPU_TARGETS['shared_node_epochs_vs_upstream'])})
 
     def per_gpu_det(self):
         """The kit end to end, and with --deterministic, against upstream, alternated in one call; 2048 images, so
@@ -636,7 +674,7 @@ class Bench:
 
 
 CALLS = {'per-gpu': Bench.per_gpu, 'per-gpu-det': Bench.per_gpu_det, 'short-job': Bench.short_job,
-         'fits': Bench.fits,
+         'fits': Bench.fits, 'shared-node': Bench.shared_node,
          'scaling': Bench.scaling, 'step': Bench.step, 'loop-lever': Bench.loop_lever, 'val-cache': Bench.val_cache,
          'parity': Bench.parity,
          'ckpt-minutes': Bench.ckpt_minutes, 'ckpt-windows': Bench.ckpt_windows, 'entry-points': Bench.entry_points}

@@ -151,6 +151,41 @@ def test_fits_runs_each_pair_with_upstreams_own_peak_and_15_percent_free_and_cou
     assert 'out of GPU memory' in series['pairs'][1]['b']['failure']
 
 
+def test_shared_node_counts_the_epochs_of_runs_started_at_once_with_one_command_and_fails_a_side_whose_run_died(
+        tmp_path, monkeypatch):
+    """shared-node from made-up runs (their launch, rows and stop stood in for): each side's runs start together with
+    the same command but the seed, and its figure is their epochs summed; a run that exited leaves the pair empty."""
+    bench = run_bench.Bench.__new__(run_bench.Bench)
+    bench.size, bench.cuda, bench.work, bench.upstream, bench.kit = run_bench.SIZES['gpu'], True, tmp_path, 'up', 'kit'
+    bench.args, bench.started, bench.deadline = SimpleNamespace(call='shared-node', pairs=2), 0, 1e9
+    bench.record, bench.call, bench.out, bench.n = {'pairs': {}}, {}, tmp_path, 1
+    bench.dataset = lambda name: f'{name}.yaml'
+    launched, stopped = [], []
+    rows = {'up': 6, 'kit': 9}
+
+    def launch(name, cmd, tree):
+        launched.append((name, cmd))
+        died = name == 'kit-shared-1-2'
+        return SimpleNamespace(poll=lambda: 1 if died else None, returncode=1, tree=tree), tmp_path / 'log'
+    (tmp_path / 'log').write_text('out of memory\n')
+    bench.launch = launch
+    monkeypatch.setattr(run_bench, 'count_rows', lambda path: rows['kit' if 'kit-' in str(path) else 'up'])
+    monkeypatch.setattr(run_bench, 'stop', lambda proc, cuda: stopped.append(proc.tree))
+    monkeypatch.setattr(run_bench.time, 'sleep', lambda seconds: None)
+    run_bench.Bench.shared_node(bench)
+    assert [name for name, _ in launched[:8]] == [f'{side}-shared-0-{k}' for side in ('upstream', 'kit')
+                                                  for k in range(4)]
+    options = lambda cmd, flag: cmd[cmd.index(flag) + 1]
+    assert {(options(cmd, '--workers'), options(cmd, '--imgsz'), options(cmd, '--batch-size'))
+            for _, cmd in launched} == {('8', '320', '16')}
+    assert [options(cmd, '--seed') for _, cmd in launched[:4]] == ['0', '1', '2', '3']
+    series = bench.record['pairs']['shared_node_epochs_vs_upstream']
+    assert series['pairs'][0]['a']['epochs'] == 24 and series['pairs'][0]['b']['epochs'] == 36
+    assert [pair['ratio'] for pair in series['pairs']] == [1.5, None]
+    assert 'out of memory' in series['pairs'][1]['b']['error']
+    assert stopped == ['up'] * 4 + ['kit'] * 4 + ['up'] * 4 + ['kit'] * 4, 'every run stopped, a failed side too'
+
+
 def test_an_option_the_call_does_not_read_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
     def main(*argv):
         monkeypatch.setattr(sys, 'argv', ['run_bench.py', *argv, '--out', str(tmp_path)])
