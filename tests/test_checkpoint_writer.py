@@ -220,10 +220,12 @@ def test_the_checkpoint_it_replaces_stays_as_last_previous_and_what_comes_after_
 
 
 class SlowDisk:
-    """A checkpoint file writer that blocks until released; it records how many writes ever ran at once."""
+    """A checkpoint file writer that blocks until released; it records how many writes ever ran at once, and the
+    epochs of those that ended, in order."""
 
     def __init__(self):
         self.release, self.lock, self.running, self.most_at_once = threading.Event(), threading.Lock(), 0, 0
+        self.written = []
 
     def __call__(self, obj, path, keep_previous=False):
         with self.lock:
@@ -233,6 +235,7 @@ class SlowDisk:
         checkpoints.save_file(obj, path, keep_previous)
         with self.lock:
             self.running -= 1
+            self.written.append(obj['epoch'])
 
 
 def test_a_periodic_checkpoint_due_while_a_write_runs_is_skipped_with_one_line_and_any_other_waits(tmp_path):
@@ -245,7 +248,7 @@ def test_a_periodic_checkpoint_due_while_a_write_runs_is_skipped_with_one_line_a
     assert writer.busy and not last.exists()
     threading.Timer(0.5, disk.release.set).start()
     assert writer.save(state_of(3), last, 'checkpoint of epoch 2')  # an epoch's: after the write under way
-    assert epoch_of(last) == 1
+    assert disk.written[:1] == [1], "the epoch's save returned before the write under way had ended"
     writer.close()
     assert (epoch_of(last), epoch_of(previous_path(last))) == (3, 1)
     assert disk.most_at_once == 1 and len(lines) == 1
