@@ -88,14 +88,20 @@ def test_per_gpu_of_another_detection_task_compares_its_upstream_script_with_its
     assert merged['targets']['per_gpu_vs_upstream_1gpu'] is None, 'train_dual.py stands for the target alone'
 
 
+def stub_bench(tmp_path, call: str, pairs: int):
+    """A Bench of the GPU sizes on one GPU, without its trees or machine: a test stands in for its runs."""
+    bench = run_bench.Bench.__new__(run_bench.Bench)
+    bench.size, bench.cuda, bench.work, bench.upstream, bench.kit = run_bench.SIZES['gpu'], True, tmp_path, 'up', 'kit'
+    bench.args, bench.started, bench.deadline = SimpleNamespace(call=call, pairs=pairs), 0, 1e9
+    bench.record, bench.call, bench.out, bench.n = {'pairs': {}}, {}, tmp_path, 1
+    bench.dataset = lambda name: f'{name}.yaml'
+    return bench
+
+
 def test_a_short_job_pairs_whole_runs_by_their_seconds_first_epoch_peak_memory_and_the_kits_epoch_end(tmp_path):
     """short-job's series from made-up runs (Bench.train stood in for): upstream's seconds over the kit's, the kit's
     memory over upstream's, and the kit's own epoch end beyond validation, each run to its end."""
-    bench = run_bench.Bench.__new__(run_bench.Bench)
-    bench.size, bench.cuda, bench.work, bench.upstream, bench.kit = run_bench.SIZES['gpu'], True, tmp_path, 'up', 'kit'
-    bench.args, bench.started, bench.deadline = SimpleNamespace(call='short-job', pairs=3), 0, 1e9
-    bench.record, bench.call, bench.out, bench.n = {'pairs': {}}, {}, tmp_path, 1
-    bench.dataset = lambda name: f'{name}.yaml'
+    bench = stub_bench(tmp_path, 'short-job', pairs=3)
     runs = {'up': dict(seconds=60, first_epoch_end_s=20, peak_mem_mib={0: 10000}),
             'kit': dict(seconds=30, first_epoch_end_s=25, peak_mem_mib={0: 11000}, epoch_end_beyond_validation_s=0.05)}
     asked = []
@@ -116,11 +122,7 @@ def test_fits_runs_each_pair_with_upstreams_own_peak_and_15_percent_free_and_cou
         tmp_path, monkeypatch):
     """fits from made-up runs (Bench.train and the ballast stood in for): upstream alone first gives the memory to
     leave free; a kit run that fails is a 0, a pair where upstream failed has no figure."""
-    bench = run_bench.Bench.__new__(run_bench.Bench)
-    bench.size, bench.cuda, bench.work, bench.upstream, bench.kit = run_bench.SIZES['gpu'], True, tmp_path, 'up', 'kit'
-    bench.args, bench.started, bench.deadline = SimpleNamespace(call='fits', pairs=3), 0, 1e9
-    bench.record, bench.call, bench.out, bench.n = {'pairs': {}}, {}, tmp_path, 1
-    bench.dataset = lambda name: f'{name}.yaml'
+    bench = stub_bench(tmp_path, 'fits', pairs=3)
     left_free, runs = [], []
 
     class Ballast:
@@ -155,11 +157,7 @@ def test_shared_node_counts_the_epochs_of_runs_started_at_once_with_one_command_
         tmp_path, monkeypatch):
     """shared-node from made-up runs (their launch, rows and stop stood in for): each side's runs start together with
     the same command but the seed, and its figure is their epochs summed; a run that exited leaves the pair empty."""
-    bench = run_bench.Bench.__new__(run_bench.Bench)
-    bench.size, bench.cuda, bench.work, bench.upstream, bench.kit = run_bench.SIZES['gpu'], True, tmp_path, 'up', 'kit'
-    bench.args, bench.started, bench.deadline = SimpleNamespace(call='shared-node', pairs=2), 0, 1e9
-    bench.record, bench.call, bench.out, bench.n = {'pairs': {}}, {}, tmp_path, 1
-    bench.dataset = lambda name: f'{name}.yaml'
+    bench = stub_bench(tmp_path, 'shared-node', pairs=2)
     launched, stopped = [], []
     rows = {'up': 6, 'kit': 9}
 
