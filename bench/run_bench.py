@@ -305,6 +305,11 @@ class Bench:
         print(f'   {name}: {json.dumps({k: v for k, v in figures.items() if k != "command"})}', flush=True)
         return figures
 
+    def fine_tune(self, tree, name, data, epochs, batch) -> dict:
+        """A whole one-GPU fine-tune on the fine_tune photographs (data), timed from launch to exit."""
+        cmd = self.train_cmd(tree, 1, data, name, epochs=epochs, batch=batch)
+        return self.train(name, cmd, tree, self.size['fine_tune'].train, rows=1, to_the_end=True)
+
     def train_to_the_end(self, name, cmd, tree) -> dict:
         """A whole training run (parity): its final mAP50-95, best.pt validated again at the end."""
         started = time.monotonic()
@@ -372,12 +377,8 @@ class Bench:
         size, data = self.size, self.dataset('fine_tune')
 
         def whole(tree, tag):
-            def run(i):
-                name = f'{tag}-short-{i}'
-                cmd = self.train_cmd(tree, 1, data, name, epochs=size['fine_tune_epochs'],
-                                     batch=size['fine_tune_batch'])
-                return self.train(name, cmd, tree, size['fine_tune'].train, rows=1, to_the_end=True)
-            return run
+            return lambda i: self.fine_tune(tree, f'{tag}-short-{i}', data, size['fine_tune_epochs'],
+                                            size['fine_tune_batch'])
         targets = results.ONE_GPU_TARGETS
         self.rounds({'upstream': whole(self.upstream, 'upstream'), 'kit': whole(self.kit, 'kit')}, {
             'short_job_vs_upstream_1gpu': ('upstream', 'kit', lambda a, b: ratio(a, b, 'seconds'),
@@ -399,11 +400,9 @@ class Bench:
 
         def job(tree, tag, leave_mib=None, may_fail=False):
             def run(i):
-                name = f'{tag}-fits-{i}'
-                cmd = self.train_cmd(tree, 1, data, name, epochs=2, batch=2 * size['fine_tune_batch'])
                 with Ballast(leave_mib if self.cuda else None) as ballast:
                     try:
-                        return {**self.train(name, cmd, tree, size['fine_tune'].train, rows=1, to_the_end=True),
+                        return {**self.fine_tune(tree, f'{tag}-fits-{i}', data, 2, 2 * size['fine_tune_batch']),
                                 'completed': 1, 'ballast_mib': ballast.mib}
                     except RunFailed as e:
                         if not may_fail:
