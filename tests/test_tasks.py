@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from concurrent import futures
 
 import numpy as np
 import pytest
@@ -64,26 +65,43 @@ def probed(patched_tree, task_datasets, tmp_path_factory):
     (patch 0009), steps from them on fixed batches, and (2 processes) two epochs of EMA and BatchNorm sync, and
     (segment) the images each rank draws in two epochs. The job of 1 process first fits the weights (probe.py's
     fit: the task's tiny model fitted to the validation images, so that the loss has positives to normalise by
-    and the metrics are not all zero), which the task's other jobs then read."""
-    jobs, fitted = {}, {}
+    and the metrics are not all zero), which the task's other jobs then read. A one-process job uses one of the 2
+    cores: the next task's runs beside it, and a multi-process job starts once both have ended."""
+    jobs, one_process, fitted, tasks = {}, {}, {}, list(TASKS)
+    one_process_pool = futures.ThreadPoolExecutor(2)
+
+    def job(task, nproc):
+        folder = tmp_path_factory.mktemp(f'{task}-x{nproc}')
+        steps = {name: {'indices': STEP_INDICES[name], 'micro': micro[nproc]} for name, micro in STEP_MICRO.items()
+                 if nproc in micro}
+        config = {'weights': str(fitted[task]), 'cfg': str(task_cfg(task)), 'steps': steps, 'epochs': 2,
+                  'upstream_val_batch': upstream_val_batch(task)}
+        modes = {1: 'fit,val,upstream_val,steps', 2: 'val,upstream_val,steps,ema', 3: 'val,upstream_val'}[nproc]
+        modes += ',sampler' if (task, nproc) == ('segment', 2) else ''
+        args = train_args(task_datasets[labels_of(task)], folder / 'runs', 2, 8 * nproc, 64, '--noval',
+                          cfg=task_cfg(task))
+        return probe(patched_tree, task, nproc, modes, folder / 'out.json', args, config)
+
+    def one_process_job(task):
+        zygote.zygote(job_env())  # started before two threads may ask for it
+        fitted[task] = tmp_path_factory.mktemp(f'{task}-fit') / 'fitted.pt'
+        one_process[task] = one_process_pool.submit(job, task, 1)
 
     def run_job(task, nproc):
-        if (task, nproc) not in jobs:
-            if nproc > 1:
-                run_job(task, 1)  # it fits the weights
-            folder = tmp_path_factory.mktemp(f'{task}-x{nproc}')
-            fitted.setdefault(task, folder / 'fitted.pt')
-            steps = {name: {'indices': STEP_INDICES[name], 'micro': micro[nproc]} for name, micro in STEP_MICRO.items()
-                     if nproc in micro}
-            config = {'weights': str(fitted[task]), 'cfg': str(task_cfg(task)), 'steps': steps, 'epochs': 2,
-                      'upstream_val_batch': upstream_val_batch(task)}
-            modes = {1: 'fit,val,upstream_val,steps', 2: 'val,upstream_val,steps,ema', 3: 'val,upstream_val'}[nproc]
-            modes += ',sampler' if (task, nproc) == ('segment', 2) else ''
-            args = train_args(task_datasets[labels_of(task)], folder / 'runs', 2, 8 * nproc, 64, '--noval',
-                              cfg=task_cfg(task))
-            jobs[task, nproc] = probe(patched_tree, task, nproc, modes, folder / 'out.json', args, config)
-        return jobs[task, nproc]
-    return run_job
+        if task not in one_process:
+            one_process_job(task)
+            beside = [other for other in tasks[tasks.index(task) + 1:] if other not in one_process]
+            if beside:
+                one_process_job(beside[0])
+        fit = one_process[task]
+        if nproc > 1 and (task, nproc) not in jobs:
+            futures.wait(one_process.values())  # the cores are free again
+            fit.result()  # it fitted the weights
+            jobs[task, nproc] = job(task, nproc)
+        return fit.result() if nproc == 1 else jobs[task, nproc]
+
+    yield run_job
+    one_process_pool.shutdown(cancel_futures=True)
 
 
 def params_after(rank: dict, name: str) -> dict:
