@@ -207,7 +207,8 @@ class Bench:
         upstream = tree == self.upstream
         size = self.size
         batch = batch or size['batch_per_gpu'] * gpus
-        workers = workers or (size['workers'] if upstream else os.cpu_count())  # the kit caps it by its CPUs
+        if workers is None:
+            workers = size['workers'] if upstream else os.cpu_count()  # the kit caps it by its CPUs
         device = ','.join(str(i) for i in range(gpus)) if self.cuda else 'cpu'
         args = ['--data', data, '--cfg', cfg or self.model_of(task), '--hyp', 'data/hyps/hyp.scratch-high.yaml',
                 '--epochs', epochs, '--batch-size', batch, '--imgsz', imgsz or size['imgsz'], '--workers', workers,
