@@ -136,6 +136,6 @@ def pytest_collection_modifyitems(items):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """A multi-process test has the machine to itself, its fixtures included (testsupport/cores.py)."""
+    """A timed test has the machine to itself, its fixtures included (testsupport/cores.py)."""
     with cores_for(item):
         return (yield)

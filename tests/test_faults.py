@@ -32,7 +32,7 @@ from testsupport.injected import Fault
 from yolov9_ddp import checkpoints, state
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures('upstream_importable')]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.timed, pytest.mark.usefixtures('upstream_importable')]
 SPEC = DemoSpec(train=48, val=16, imgsz=64)  # 12 steps per epoch on each of 2 ranks at batch 4
 # A fault in epoch 1 of 2: the epoch before it is checkpointed, the faulted one is trained again and ends the run.
 # (FAULT_EPOCHS, 3, where the scenario needs a third epoch: two kills in a row, an interrupted run's

@@ -56,7 +56,7 @@ def test_under_torchrun_a_list_of_another_length_than_its_processes_is_refused_i
 
 
 @pytest.mark.slow
-@pytest.mark.cores
+@pytest.mark.timed  # it must be restarted and stopped within a minute
 @pytest.mark.usefixtures('upstream_importable')
 def test_a_list_starts_a_torchrun_job_that_restarts_after_a_failure_and_stops_on_a_signal(patched_tree, demo_data,
                                                                                             tmp_path):

@@ -473,7 +473,7 @@ def race_label_cache_writers(tree: Path, images: Path, env: dict, sync: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.cores  # two writers and a reader, timed against each other
+@pytest.mark.timed  # two writers and a reader, timed against each other
 @pytest.mark.parametrize('fixed', [False, True], ids=['without-0010', 'patched'])
 def test_0010_label_cache_is_never_seen_half_written(fixed, tree_without, patched_tree, offline_env, tmp_path):
     tree = patched_tree if fixed else tree_without(10)

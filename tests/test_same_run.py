@@ -153,6 +153,7 @@ def workers_of(job: Job, rank=None) -> list:
     return pids
 
 
+@pytest.mark.timed  # the agents' rendezvous and keep-alive timeouts
 def test_an_elastic_job_that_loses_an_agent_goes_on_with_the_one_left(patched_tree, data, tmp_path):
     """torchrun --nnodes 1:2 with two agents of one process each; inside epoch 1 the second agent and its process
     are SIGKILLed (a lost node), its process held before step 2 (the checkpoint after step 1 recorded; rank 0 waits

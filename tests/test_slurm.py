@@ -23,6 +23,7 @@ from yolov9_ddp.shutdown import StopRequest
 
 SCRIPT_NAMES = sorted(path.name for path in SCRIPTS.glob('*.sbatch'))
 LAUNCHERS = {'multi-node.sbatch': 'srun', 'single-node.sbatch': 'torchrun'}  # what each script starts training with
+pytestmark = pytest.mark.timed  # Slurm's time limits, pre-emption and KillWait run on the clock
 EPOCHS = 4
 JOB_DEADLINE_S = 360
 

@@ -1,9 +1,11 @@
-"""Two pytest-xdist workers on 2 cores, without oversubscribing them: a test that runs multi-process jobs (marked
-`cores`, or `slow` without `one_core`) has the machine to itself, while the other tests run two at a time. Their
-timings, and the deadlines the fault tests derive from them, stay those of a machine that runs one job.
+"""Two pytest-xdist workers on 2 cores: a test that checks durations or deadlines against the clock (marked `timed`)
+has the machine to itself, so that what it measures is a machine that runs one job; the other tests run two at a
+time. A job of several processes waits in collectives, start-up and restarts for a third of its time, so two such
+tests side by side keep the cores busy that one alone leaves idle. A test that starts one must say so (marked
+`cores`, or `slow` without `one_core`): jobs.torchrun_cmd refuses it to the others.
 
-A reader-writer lock on two files shared by the workers of one run, writer-preferring: a machine-wide test waits
-for the tests already running while holding the gate, so no new test starts beside it in the meantime."""
+A reader-writer lock on two files shared by the workers of one run, writer-preferring: a timed test waits for the
+test already running while holding the gate, so no new test starts beside it in the meantime."""
 import collections
 import contextlib
 import fcntl
@@ -13,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 SLOW_WEIGHT = 10  # a slow test took 4 s or more, most fast ones well under 1 s
-SHARE = 'YOLOV9_TEST_CORES'  # 'machine' or 'shared': what the running test holds (jobs.torchrun_cmd checks it)
+SHARE = 'YOLOV9_TEST_CORES'  # 'machine', 'jobs' or 'one process': the running test's (jobs.torchrun_cmd checks it)
 
 
 FOLDER = 'YOLOV9_TEST_LOCKS'  # the lock folder of a run: made by its controller, inherited by its workers
@@ -48,9 +50,18 @@ def flocked(path: Path, mode: int):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def marks(item) -> set:
+    return {mark.name for mark in item.iter_markers()}
+
+
 def machine_wide(item) -> bool:
-    marked = {mark.name for mark in item.iter_markers()}
-    return 'cores' in marked or ('slow' in marked and 'one_core' not in marked)
+    return 'timed' in marks(item)
+
+
+def runs_jobs(item) -> bool:
+    """Whether item may start jobs of several processes."""
+    marked = marks(item)
+    return 'timed' in marked or 'cores' in marked or ('slow' in marked and 'one_core' not in marked)
 
 
 def sharing_modules_first(items: list) -> list:
@@ -73,7 +84,7 @@ def cores_for(item):
         yield
         return
     folder = lock_folder()
-    os.environ[SHARE] = 'machine' if machine_wide_test else 'shared'
+    os.environ[SHARE] = 'machine' if machine_wide_test else 'jobs' if runs_jobs(item) else 'one process'
     try:
         with contextlib.ExitStack() as held:
             with flocked(folder / 'gate', fcntl.LOCK_EX):  # no new test passes a machine-wide one waiting here
@@ -83,8 +94,8 @@ def cores_for(item):
         del os.environ[SHARE]
 
 
-def check_machine_wide(nproc: int):
-    """A test running a multi-process job beside another test would slow both and make deadlines flaky."""
-    if nproc > 1 and os.environ.get(SHARE) == 'shared':
+def check_runs_jobs(nproc: int):
+    """A test that says it runs one process at a time must not start more: the other worker's test counts on it."""
+    if nproc > 1 and os.environ.get(SHARE) == 'one process':
         raise AssertionError(f'a test that runs {nproc} processes must be marked cores, or slow without one_core '
                              f'(testsupport/cores.py)')

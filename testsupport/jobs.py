@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from testsupport import zygote
-from testsupport.cores import check_machine_wide
+from testsupport.cores import check_runs_jobs
 from testsupport.trees import TINY_CFG
 from yolov9_ddp.demo_data import DemoSpec
 
@@ -35,7 +35,7 @@ def job_env(**extra) -> dict:
 
 
 def torchrun_cmd(nproc: int, *args, launcher=('--nnodes', '1')) -> list:
-    check_machine_wide(nproc)
+    check_runs_jobs(nproc)
     return [sys.executable, TORCHRUN, *launcher, '--nproc_per_node', str(nproc),
             '--master_addr', '127.0.0.1', '--master_port', str(free_port()), *map(str, args)]
 
