@@ -5,13 +5,12 @@
 # user's choice and not in requirements.txt (docs/clone.md, "Your Python environment"); the kit's own venvs take
 # opencv-python-headless at the version CONSTRAINTS pins. Used by run-tests.sh, run-demo.sh and .ci/run.
 #
-# The wheels are kept in ~/.cache/pip/yolov9-ddp/NAME (NAME: the constraints file's; delete it to reclaim the
-# space), downloaded once per version of the files, so that a rerun installs without downloading. pip's own HTTP
-# cache is not enough: it keeps only responses that allow caching, and where the registry is reached through a
-# proxy that drops those headers it keeps nothing, and every new venv downloads torch 2.4's 3 GB of wheels again.
-# pip's HTTP cache is left out (--no-cache-dir): beside the kept wheels it would be a second copy of them.
-# Under CI (CI set, a fresh machine that builds each venv once) nothing is kept: pip installs from the registries
-# straight into the venv, so that the two CUDA venvs need their 12 GB installed and not twice that on a shared disk.
+# pip installs uv into VENV (at the version CONSTRAINTS pins), and uv installs the rest: it downloads and unpacks
+# the CUDA build's 6 GB of wheels in parallel. It compiles the bytecode, as pip does: where PYTHONDONTWRITEBYTECODE
+# is set, nothing else would, and every new interpreter would compile torch's sources again. uv keeps the wheels in
+# its cache (~/.cache/uv; `uv cache clean` reclaims the space), whatever a proxy does to HTTP caching, so that a
+# rerun or another venv of the same versions installs without downloading. Under CI (CI set, a fresh machine that
+# builds each venv once) nothing is kept: the two CUDA venvs need their 12 GB and not twice that on a shared disk.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=$1
@@ -23,18 +22,9 @@ for file in "$@"; do
 done
 started=$SECONDS
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-pip=("$venv/bin/python" -m pip --disable-pip-version-check --no-cache-dir)
-if [ -n "${CI:-}" ]; then
-    install=("${pip[@]}" install --quiet -c "$constraints")
-else
-    wheels=${XDG_CACHE_HOME:-$HOME/.cache}/pip/yolov9-ddp/$(basename "$constraints" .txt)
-    stamp=$(cat "$constraints" requirements.txt "$@" | sha256sum | cut -c1-16)
-    if [ ! -f "$wheels/.complete-$stamp" ]; then
-        "${pip[@]}" download --quiet --dest "$wheels" -c "$constraints" "${requirements[@]}" opencv-python-headless
-        touch "$wheels/.complete-$stamp"
-    fi
-    install=("${pip[@]}" install --quiet --no-index --find-links "$wheels" -c "$constraints")
-fi
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir -c "$constraints" uv
+install=("$venv/bin/uv" pip install --quiet --compile-bytecode --python "$venv/bin/python" -c "$constraints")
+[ -z "${CI:-}" ] || install+=(--no-cache)
 "${install[@]}" "${requirements[@]}"
 "$venv/bin/python" -c 'import cv2' 2>/dev/null || "${install[@]}" opencv-python-headless
 versions=$("$venv/bin/python" -c 'import torch, numpy; print("torch", torch.__version__, "numpy", numpy.__version__)')
