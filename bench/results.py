@@ -11,7 +11,6 @@ one) and recomputes "targets" from all pairs there; a dry run (CPU) lands under 
 """
 import argparse
 import json
-import re
 import statistics
 from pathlib import Path
 
@@ -20,10 +19,6 @@ TARGETS = {  # key, for N GPUs (the keys name 2 GPUs where N is 2) -> what its r
     'per_gpu_vs_upstream_{n}gpu': "kit img/s per GPU / upstream train_dual.py's, both on N GPUs, same global batch "
                                   "and data (second epoch, from results.csv)",
     'scaling_{n}gpu': 'kit img/s on N GPUs / kit img/s on 1 GPU, 32 images per GPU (second epoch, from results.csv)',
-    'in_loop_vs_gpu_only': "kit img/s in its training loop (its 'epoch 1' log line) / the GPU-only DDP step with "
-                           "the kit's levers on a batch already on the GPU, N GPUs",
-    'gpu_only_vs_upstream_settings': "GPU-only DDP step: the kit's default step / upstream's deterministic NCHW "
-                                     'step, N GPUs',
     'val_{n}gpu_vs_rank0': 'seconds of distributed validation on N GPUs / of rank-0 validation (metrics identical)',
     'parity_map50_95_points': '|mAP50-95 difference| in points, the larger median of: 1 GPU against N GPUs, and '
                               "the kit's defaults against upstream's numerics (same seed within a pair)",
@@ -54,14 +49,8 @@ ONE_GPU_TARGETS = {
                                           "seconds (its 'epoch N:' log lines), the same fine-tune",
 }
 PARITY = 'parity_map50_95_points'
-# checkpoint_minutes_1_vs_none_1gpu needs epochs of minutes to see a checkpoint a minute (a save at each epoch's end
-# restarts the clock). A series with more frequent ones (checkpoint_minutes_M_vs_none_1gpu, M < 1: the ckpt-minutes
-# call on 2048 images) stands for it, with a note saying so, where every pair's timed epoch had at least one a minute
-CHECKPOINT_TARGET = 'checkpoint_minutes_1_vs_none_1gpu'
-CHECKPOINT_SERIES = re.compile(r'checkpoint_minutes_([0-9.]+)_vs_none_1gpu$')
 # results.json's N-GPU "targets" are named for 2 GPUs; a call on another number of GPUs adds its pairs under
-# its own keys (per_gpu_vs_upstream_1gpu, ...), and only its GPU-count-free ones (in_loop_vs_gpu_only,
-# gpu_only_vs_upstream_settings, parity) count towards the targets
+# its own keys (per_gpu_vs_upstream_1gpu, ...), and only its GPU-count-free one (parity) counts towards the targets
 TARGET_GPUS = 2
 
 
@@ -85,51 +74,16 @@ def targets_from(pairs: dict, n: int) -> dict:
 
 
 def one_gpu_targets(pairs: dict) -> dict:
-    """The one-GPU targets: the median ratio of each key's pairs, None where none were run; the checkpoint target
-    from a series with more frequent checkpoints where it has none of its own (checkpoint_bound)."""
-    targets = {key: median_ratio(pairs[key]) if key in pairs else None for key in ONE_GPU_TARGETS}
-    bound = checkpoint_bound(pairs) if targets[CHECKPOINT_TARGET] is None else None
-    if bound:
-        targets[CHECKPOINT_TARGET] = median_ratio(pairs[bound])
-    return targets
+    """The one-GPU targets: the median ratio of each key's pairs, None where none were run."""
+    return {key: median_ratio(pairs[key]) if key in pairs else None for key in ONE_GPU_TARGETS}
 
 
 def checkpoint_key(minutes: float, n: int) -> str:
     return f'checkpoint_minutes_{minutes:g}_vs_none_{n}gpu'
 
 
-def checkpoint_what(minutes: float, measured='N GPUs (second epoch, from results.csv)') -> str:
+def checkpoint_what(minutes: float, measured: str) -> str:
     return f'kit img/s with a periodic checkpoint every {minutes:g} minutes ({minutes * 60:g} s) / without, {measured}'
-
-
-def checkpoint_note(minutes: float) -> str:
-    return (f'a checkpoint every {minutes * 60:g} s is {1 / minutes:g}x as frequent as the one a minute of '
-            f'{CHECKPOINT_TARGET}, and each costs the same whatever its period (a copy to host memory on the '
-            'training thread, a write in the background): its cost bounds the target\'s from above, so the '
-            'target\'s ratio is at least this one (a fortiori met where this is); a miss here does not show a '
-            'miss there. Checkpoints counted per run from run.json (checkpoints.periodic_in_timed_epoch)')
-
-
-def checkpoint_bound(pairs: dict):
-    """The key of the series that stands for CHECKPOINT_TARGET, or None: the least frequent of those asked for at
-    least once a minute, complete, whose every pair's timed epoch had periodic checkpoints at least once a minute
-    (counted, not asked for: a timed epoch shorter than the period has none, and says nothing)."""
-    def every_minute(series):
-        return all(p['b'].get('checkpoints', {}).get('per_minute_in_timed_epoch', 0) >= 1
-                   for p in series['pairs'] if p.get('ratio') is not None)
-    found = [(float(m.group(1)), key) for key in pairs if (m := CHECKPOINT_SERIES.match(key))]
-    found = [(minutes, key) for minutes, key in found
-             if minutes <= 1 and summarise(pairs[key])['complete'] and every_minute(pairs[key])]
-    return max(found)[1] if found else None
-
-
-def target_notes(pairs: dict) -> dict:
-    """What a target measured other than by its own name stands on."""
-    bound = checkpoint_bound(pairs) if CHECKPOINT_TARGET not in pairs else None
-    if not bound:
-        return {}
-    note = pairs[bound].get('note') or checkpoint_note(float(CHECKPOINT_SERIES.match(bound).group(1)))
-    return {CHECKPOINT_TARGET: f'from {bound}: {note}'}
 
 
 def summarise(series: dict) -> dict:
@@ -152,7 +106,6 @@ def merge(call: dict, into: dict) -> dict:
     section.setdefault('pairs', {}).update(call['pairs'])
     section.setdefault('entry_points', {}).update(call.get('entry_points', {}))
     section['targets'] = {**targets_from(section['pairs'], TARGET_GPUS), **one_gpu_targets(section['pairs'])}
-    section['target_notes'] = target_notes(section['pairs'])
     return into
 
 

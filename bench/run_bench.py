@@ -22,8 +22,6 @@ CALL (docs/benchmarks.md has the figures and their commands; bench/results.py th
                                                                                    -> per_gpu_vs_upstream_Ngpu,
                                                                                       deterministic_vs_upstream_Ngpu
   scaling      the kit on 1 GPU | the kit on N GPUs                                -> scaling_Ngpu
-  step         the kit on N GPUs | its GPU-only step | upstream's GPU-only step    -> in_loop_vs_gpu_only,
-                                                                                      gpu_only_vs_upstream_settings
   loop-lever   the kit | its GPU-only step [| the GPU-only step with --levers LEVER: --lever LEVER], 2048 images
                                                                                    -> in_loop_vs_gpu_only_Ngpu
                                                                                       (and lever LEVER, no target)
@@ -32,10 +30,6 @@ CALL (docs/benchmarks.md has the figures and their commands; bench/results.py th
                                                                                       ram_cache_Nranks_vs_1rank
   parity       per seed: the kit on 1 GPU | on N GPUs | on N GPUs with upstream's numerics, trained to the end
                (on one GPU: the kit | upstream's numerics)                         -> parity_map50_95_points
-  ckpt-minutes the kit | the kit with --checkpoint-minutes M (default 0.1), N GPUs, 2048 images, each run's periodic
-               checkpoints counted                          -> checkpoint_minutes_M_vs_none_Ngpu (and its in-loop
-                                                               twin); with M <= 1 it bounds
-                                                               checkpoint_minutes_1_vs_none_1gpu (bench/results.py)
   ckpt-windows one run of the kit on 1 GPU, one long epoch (the main dataset repeated, as links) with a periodic
                checkpoint every 2W s: the W s around each | the W/2 s before and after that, which have none
                (bench/ckpt_windows.py, --window-s W, default 60)
@@ -155,7 +149,6 @@ class Bench:
         self.record['targets'] = results.targets_from(self.record['pairs'], self.n)
         if self.n == 1:
             self.record['targets'].update(results.one_gpu_targets(self.record['pairs']))
-            self.record['target_notes'] = results.target_notes(self.record['pairs'])
         (self.out / 'results.json').write_text(json.dumps(self.record, indent=1) + '\n')
 
     def dataset(self, name: str) -> str:
@@ -476,7 +469,7 @@ class Bench:
         def gpu_only(extra, tag):
             def run(i):
                 name = f'step-{tag}-{n}gpu-{i}'
-                args = [KIT / 'bench' / 'gpu_step.py', '--settings', 'kit', '--warmup', warmup, '--steps', steps,
+                args = [KIT / 'bench' / 'gpu_step.py', '--warmup', warmup, '--steps', steps,
                         *self.train_cmd(self.kit, n, data, name)[len(launcher(n)) + 1:], *extra]
                 return self.job(name, args, n, self.kit)
             return run
@@ -491,22 +484,6 @@ class Bench:
                 'gpu-only', f'gpu-only {lever}', lambda a, b: ratio(b, a, 'img_per_s'),
                 f'GPU-only step img/s with --levers {lever} / with the defaults')
         self.rounds(runs, pairs)
-
-    def ckpt_minutes(self):
-        """The kit end to end without periodic checkpoints and with one every --checkpoint-minutes M,
-        alternated in one call (2048 images). train() counts each run's checkpoints from its run.json, those of the
-        timed (second) epoch apart: a ratio says what checkpoints cost only where some were written in that epoch."""
-        n, minutes = self.n, self.args.checkpoint_minutes
-        key, label = results.checkpoint_key(minutes, n), f'kit --checkpoint-minutes {minutes:g}'
-        self.rounds({'kit': self.end_to_end(self.kit, 'kit-c', 'small'),
-                     label: self.end_to_end(self.kit, f'kit-c{minutes:g}', 'small',
-                                            ['--checkpoint-minutes', f'{minutes:g}'])}, {
-            key: ('kit', label, lambda a, b: ratio(b, a, 'img_per_s'), results.checkpoint_what(minutes)),
-            f'{key} (in loop)': ('kit', label, lambda a, b: ratio(b, a, 'in_loop_img_per_s'),
-                                 "the same runs' in-loop img/s (their 'epoch 1' log lines): without the epoch's "
-                                 'end, where the synchronous save waits for a periodic write under way')})
-        self.record['pairs'][key]['note'] = results.checkpoint_note(minutes)
-        self.save()
 
     def ckpt_windows(self):
         """One run of the kit on one GPU (bench/ckpt_windows.py) pairs the W seconds around each periodic
@@ -541,28 +518,6 @@ class Bench:
         self.rounds({'kit-1gpu': kit(1), f'kit-{n}gpu': kit(n)}, {
             f'scaling_{n}gpu': ('kit-1gpu', f'kit-{n}gpu', lambda a, b: ratio(b, a, 'img_per_s'),
                                 results.TARGETS['scaling_{n}gpu'])})
-
-    def step(self):
-        data, n, images = self.dataset('short'), self.n, self.size['short'].train
-        warmup, steps = self.size['steps']
-
-        def gpu_only(settings, tree):
-            def run(i):
-                name = f'step-{settings}-{n}gpu-{i}'
-                args = [KIT / 'bench' / 'gpu_step.py', '--settings', settings, '--warmup', warmup, '--steps', steps,
-                        *self.train_cmd(tree, n, data, name)[len(launcher(n)) + 1:]]
-                return self.job(name, args, n, tree)
-            return run
-        runs = {'kit': lambda i: self.train(f'kit-{n}gpu-l{i}', self.train_cmd(
-                    self.kit, n, data, f'kit-{n}gpu-l{i}', extra=['--noval']), self.kit, images),
-                'kit-gpu-only': gpu_only('kit', self.kit),
-                'upstream-gpu-only': gpu_only('upstream', self.upstream)}
-        self.rounds(runs, {
-            'in_loop_vs_gpu_only': ('kit', 'kit-gpu-only', lambda a, b: round(
-                a['in_loop_img_per_s'] / b['img_per_s'], 4), results.TARGETS['in_loop_vs_gpu_only']),
-            'gpu_only_vs_upstream_settings': ('upstream-gpu-only', 'kit-gpu-only',
-                                              lambda a, b: ratio(b, a, 'img_per_s'),
-                                              results.TARGETS['gpu_only_vs_upstream_settings'])})
 
     def val_cache(self):
         self.validation()
@@ -675,15 +630,15 @@ class Bench:
 
 CALLS = {'per-gpu': Bench.per_gpu, 'per-gpu-det': Bench.per_gpu_det, 'short-job': Bench.short_job,
          'fits': Bench.fits, 'shared-node': Bench.shared_node,
-         'scaling': Bench.scaling, 'step': Bench.step, 'loop-lever': Bench.loop_lever, 'val-cache': Bench.val_cache,
+         'scaling': Bench.scaling, 'loop-lever': Bench.loop_lever, 'val-cache': Bench.val_cache,
          'parity': Bench.parity,
-         'ckpt-minutes': Bench.ckpt_minutes, 'ckpt-windows': Bench.ckpt_windows, 'entry-points': Bench.entry_points}
+         'ckpt-windows': Bench.ckpt_windows, 'entry-points': Bench.entry_points}
 # the options only some calls read, and which: any other call given one refuses it, rather than measure without it
 READ_BY = {'kit_levers': ('per-gpu', 'per-gpu-det', 'parity', 'entry-points', 'ckpt-windows'),
-           'task': ('per-gpu', 'per-gpu-det'), 'lever': ('loop-lever',), 'checkpoint_minutes': ('ckpt-minutes',),
+           'task': ('per-gpu', 'per-gpu-det'), 'lever': ('loop-lever',),
            'quick': ('entry-points',), 'window_s': ('ckpt-windows',)}
 # set after that check: None is 'not given'
-OPTION_DEFAULTS = {'checkpoint_minutes': 0.1, 'window_s': 60.0, 'task': DEFAULT_TASK}
+OPTION_DEFAULTS = {'window_s': 60.0, 'task': DEFAULT_TASK}
 PERIODIC = re.compile(r'--checkpoint-(minutes|steps)\b')
 SKIPPED = re.compile(r'checkpoint at epoch \d+ step \d+ skipped')  # CheckpointWriter's line: a due one not written
 
@@ -955,9 +910,6 @@ def main():
     p.add_argument('--task', choices=[name for name, task in TASKS.items() if not task.masks],
                    help='per-gpu, per-gpu-det: the scripts compared (default detect-dual: train_dual.py | '
                         "ddp_train_dual.py); the segmentation tasks need polygons, which the bench's photographs lack")
-    p.add_argument('--checkpoint-minutes', type=float, metavar='M',
-                   help="ckpt-minutes: the kit's period; 0.1 (6 s) writes one or two in a timed epoch of 2048 images "
-                        '(about 14 s; a save at the epoch end restarts the clock, so 0.25 would write none there)')
     p.add_argument('--window-s', type=float, metavar='W',
                    help='ckpt-windows: seconds a window (default 60: a checkpoint a minute in the windows with one)')
     p.add_argument('--dataset', choices=('photo', 'demo'), default='photo',

@@ -14,8 +14,8 @@ from bench import results, run_bench
 from testsupport.trees import KIT, cache_dir, describe
 from yolov9_ddp.tasks import TASKS
 
-REQUIRED = ['per_gpu_vs_upstream_2gpu', 'scaling_2gpu', 'in_loop_vs_gpu_only', 'gpu_only_vs_upstream_settings',
-            'val_2gpu_vs_rank0', 'parity_map50_95_points', 'ram_cache_2ranks_vs_1rank']  # the N-GPU keys, N = 2
+REQUIRED = ['per_gpu_vs_upstream_2gpu', 'scaling_2gpu', 'val_2gpu_vs_rank0', 'parity_map50_95_points',
+            'ram_cache_2ranks_vs_1rank']  # the N-GPU keys, N = 2
 
 
 def series(*ratios) -> dict:
@@ -192,7 +192,8 @@ def test_an_option_the_call_does_not_read_is_refused_in_one_line(monkeypatch, ca
         return stopped.value.code, capsys.readouterr().err.splitlines()[-1]
     assert main('per-gpu', '--lever', 'cuda_graphs=1') == (
         2, 'run_bench.py: error: --lever: the per-gpu call does not read it (only loop-lever)')
-    assert main('loop-lever', '--checkpoint-minutes', '1')[1].endswith('(only ckpt-minutes)')
+    assert main('loop-lever', '--window-s', '30')[1].endswith('(only ckpt-windows)')
+    assert "unrecognized arguments: --checkpoint-minutes" in main('loop-lever', '--checkpoint-minutes', '1')[1]
     assert main('per-gpu', '--quick')[1].endswith('(only entry-points)')
     assert 'does not read it' in main('loop-lever', '--kit-levers', 'channels_last=1')[1]
     assert main('ckpt-windows', '--task', 'detect')[1].endswith('(only per-gpu, per-gpu-det)')
@@ -200,11 +201,10 @@ def test_an_option_the_call_does_not_read_is_refused_in_one_line(monkeypatch, ca
     assert "invalid choice: 'lever'" in main('lever')[1]
     tags = [run_bench.lever_tag(lever) for lever in ('channels_last=1', 'cuda_graphs=0,channels_last=0')]
     assert tags == ['channels_last-1', 'cuda_graphs-0,channels_last-0']
-    given = run_bench.argparse.Namespace(call='loop-lever', kit_levers='', lever=None, checkpoint_minutes=None,
-                                         quick=False, window_s=None, task=None)
+    given = run_bench.argparse.Namespace(call='loop-lever', kit_levers='', lever=None, quick=False, window_s=None,
+                                         task=None)
     run_bench.refuse_unread_options(None, given)
-    assert (given.lever, given.checkpoint_minutes, given.window_s, given.task) == (
-        None, 0.1, 60, 'detect-dual'), 'the defaults'
+    assert (given.lever, given.window_s, given.task) == (None, 60, 'detect-dual'), 'the defaults'
 
 
 def test_checkpoint_windows_pair_the_seconds_around_each_checkpoint_with_the_seconds_on_either_side():
