@@ -12,7 +12,8 @@ KIT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(KIT))  # the kit's packages (patchkit, yolov9_ddp) and testsupport
 
 from patchkit.pin import read_pin  # noqa: E402
-from testsupport.cores import cores_for, make_lock_folder, remove_lock_folder, sharing_modules_first  # noqa: E402
+from testsupport.cores import (cores_for, in_scheduling_order, make_lock_folder, remove_lock_folder,  # noqa: E402
+                               timed_together)
 from testsupport.trees import (DEMO_SPEC, PATCHES, SERIES, TINY_CFG, copy_tree, describe, git_apply,
                                offline_environment, patch_files, pinned_upstream_root,
                                run_applier, snapshot)
@@ -131,11 +132,16 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(items):
-    items[:] = sharing_modules_first(items)  # testsupport/cores.py
+    items[:] = in_scheduling_order(items)  # testsupport/cores.py
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue('dist') == 'loadfile':
+        return timed_together(config, log)  # testsupport/cores.py
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """A timed test has the machine to itself, its fixtures included (testsupport/cores.py)."""
+    """A timed test runs beside no other job, its fixtures included (testsupport/cores.py)."""
     with cores_for(item):
         return (yield)

@@ -1,11 +1,11 @@
-"""Two pytest-xdist workers on 2 cores: a test that checks durations or deadlines against the clock (marked `timed`)
-has the machine to itself, so that what it measures is a machine that runs one job; the other tests run two at a
-time. A job of several processes waits in collectives, start-up and restarts for a third of its time, so two such
-tests side by side keep the cores busy that one alone leaves idle. A test that starts one must say so (marked
-`cores`, or `slow` without `one_core`): jobs.torchrun_cmd refuses it to the others.
+"""Two pytest-xdist workers on 2 cores. A test of a multi-process job (marked `cores`, or `slow` without
+`one_core`) runs beside another, since a job waits in collectives, start-up and restarts for a third of its time;
+jobs.torchrun_cmd refuses one to a test not marked so. A test that checks durations or deadlines against the clock
+(marked `timed`) runs beside no other job, only beside a test of one process. Modules of jobs run first, two at a
+time; then one worker takes the timed tests, one group, while the other runs the modules of one process.
 
 A reader-writer lock on two files shared by the workers of one run, writer-preferring: a timed test waits for the
-test already running while holding the gate, so no new test starts beside it in the meantime."""
+job test already running while holding the gate, so no new job test starts beside it in the meantime."""
 import collections
 import contextlib
 import fcntl
@@ -64,31 +64,57 @@ def runs_jobs(item) -> bool:
     return 'timed' in marked or 'cores' in marked or ('slow' in marked and 'one_core' not in marked)
 
 
-def sharing_modules_first(items: list) -> list:
-    """items with the modules whose tests share the machine first (a slow test weighing SLOW_WEIGHT fast ones): two
-    workers then run those side by side, and a module that shares is not left alone at the end of the run with the
-    other worker idle. pytest-xdist (--dist loadfile --no-loadscope-reorder) hands out the modules in this order."""
-    weights = collections.defaultdict(lambda: [0, 0])  # module: [weight of its sharing tests, of all its tests]
+TIMED_GROUP = 'timed'
+
+
+def in_scheduling_order(items: list) -> list:
+    """items in the order the workers get them: the modules with jobs first (a slow test weighing SLOW_WEIGHT fast
+    ones, the heaviest share first), then the timed tests, then the modules of one process, which run beside them.
+    The timed tests' ids go to the lock folder, where the controller's timed_together() reads them."""
+    weights = collections.defaultdict(int)  # module: the weight of its tests that run jobs but are not timed
     for item in items:
-        weight = SLOW_WEIGHT if item.get_closest_marker('slow') else 1
-        weights[item.module][0] += 0 if machine_wide(item) else weight
-        weights[item.module][1] += weight
-    return sorted(items, key=lambda item: -weights[item.module][0] / weights[item.module][1])
+        if runs_jobs(item) and not machine_wide(item):
+            weights[item.module] += SLOW_WEIGHT if item.get_closest_marker('slow') else 1
+    if FOLDER in os.environ:
+        timed = lock_folder() / TIMED_GROUP
+        temporary = timed.with_name(f'{TIMED_GROUP}.{os.getpid()}')  # both workers write the same list
+        temporary.write_text(''.join(f'{item.nodeid}\n' for item in items if machine_wide(item)))
+        temporary.replace(timed)
+
+    def phase(item):
+        return (1, 0) if machine_wide(item) else (0, -weights[item.module]) if weights[item.module] else (2, 0)
+    return sorted(items, key=phase)
+
+
+def timed_together(config, log):
+    """--dist loadfile's scheduler, but the timed tests are one unit of work, which one worker runs while the other
+    runs the tests of one process beside it. (pytest-xdist's loadgroup would do, but pytest 9 ignores the ids it
+    sets.)"""
+    from xdist.scheduler import LoadScopeScheduling  # bench/ imports testsupport where pytest-xdist is not
+
+    class TimedTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if not hasattr(self, 'timed'):  # read once the workers have collected
+                self.timed = set((lock_folder() / TIMED_GROUP).read_text().splitlines())
+            return TIMED_GROUP if nodeid in self.timed else nodeid.split('::', 1)[0]
+    return TimedTogether(config, log)
 
 
 @contextlib.contextmanager
 def cores_for(item):
     """Hold the machine (or a share of it) while item runs; nothing to hold without xdist."""
-    machine_wide_test = machine_wide(item)
+    machine_wide_test, jobs = machine_wide(item), runs_jobs(item)
     if 'PYTEST_XDIST_WORKER' not in os.environ:
         yield
         return
     folder = lock_folder()
-    os.environ[SHARE] = 'machine' if machine_wide_test else 'jobs' if runs_jobs(item) else 'one process'
+    os.environ[SHARE] = 'machine' if machine_wide_test else 'jobs' if jobs else 'one process'
     try:
         with contextlib.ExitStack() as held:
-            with flocked(folder / 'gate', fcntl.LOCK_EX):  # no new test passes a machine-wide one waiting here
-                held.enter_context(flocked(folder / 'cores', fcntl.LOCK_EX if machine_wide_test else fcntl.LOCK_SH))
+            if jobs:  # a test of one process holds nothing
+                with flocked(folder / 'gate', fcntl.LOCK_EX):  # no new job test passes a timed one waiting here
+                    held.enter_context(flocked(folder / 'cores',
+                                               fcntl.LOCK_EX if machine_wide_test else fcntl.LOCK_SH))
             yield
     finally:
         del os.environ[SHARE]
