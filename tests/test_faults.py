@@ -32,7 +32,9 @@ from testsupport.injected import Fault
 from yolov9_ddp import checkpoints, state
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.timed, pytest.mark.usefixtures('upstream_importable')]
+# A test whose clock checks are tight (a stop, a failure or a timeout within seconds) is marked timed; the others
+# allow minutes for what takes seconds, and run beside other jobs (testsupport/cores.py).
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures('upstream_importable')]
 SPEC = DemoSpec(train=48, val=16, imgsz=64)  # 12 steps per epoch on each of 2 ranks at batch 4
 # A fault in epoch 1 of 2: the epoch before it is checkpointed, the faulted one is trained again and ends the run.
 # (FAULT_EPOCHS, 3, where the scenario needs a third epoch: two kills in a row, an interrupted run's
@@ -82,7 +84,8 @@ def kill_chain(patched_tree, dataset, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('where', [pytest.param('mid-step', marks=pytest.mark.smoke), 'mid-validation',
+@pytest.mark.parametrize('where', [pytest.param('mid-step', marks=[pytest.mark.smoke, pytest.mark.timed]),
+                                   'mid-validation',
                                    'mid-checkpoint-write', 'between-checkpoint-renames', 'twice'])
 def test_a_killed_worker_costs_at_most_the_epoch_in_progress(patched_tree, dataset, tmp_path, request, where):
     if where == 'mid-step':
@@ -146,6 +149,7 @@ def test_a_killed_loader_worker_restarts_the_job_which_completes(worker_kill_cha
         assert outcome.redone[at] in (0, 1), outcome.describe()  # at most its epoch
 
 
+@pytest.mark.timed
 @pytest.mark.slow
 @pytest.mark.parametrize('what', list(RAISE_FAULTS))
 def test_a_failure_on_one_rank_ends_the_job_promptly_with_its_cause(patched_tree, dataset, tmp_path, what):
@@ -164,6 +168,7 @@ def test_an_exception_on_one_rank_is_survived_by_a_restart(patched_tree, dataset
     assert outcome.redone == [1], outcome.describe()
 
 
+@pytest.mark.timed
 @pytest.mark.slow
 @pytest.mark.parametrize('seed', [1, 2])
 def test_a_random_process_of_the_job_killed_at_a_random_moment(patched_tree, dataset, tmp_path, seed):
@@ -173,6 +178,7 @@ def test_a_random_process_of_the_job_killed_at_a_random_moment(patched_tree, dat
 
 # -- 2. SIGTERM and Ctrl-C ---------------------------------------------------------------------------------------------
 
+@pytest.mark.timed
 @pytest.mark.slow
 @pytest.mark.smoke
 def test_sigterm_to_torchrun_with_save_on_signal_stops_cleanly_and_resumes(patched_tree, dataset, tmp_path):
@@ -186,6 +192,7 @@ def test_sigterm_to_torchrun_with_save_on_signal_stops_cleanly_and_resumes(patch
     assert outcome.redone == [1], outcome.describe()
 
 
+@pytest.mark.timed
 @pytest.mark.slow
 def test_sigterm_to_torchrun_without_save_on_signal_keeps_the_last_epoch(patched_tree, dataset, tmp_path):
     outcome = signal_scenario(patched_tree, dataset, tmp_path, signal.SIGTERM, save_on_signal=False, epochs=EPOCHS)
@@ -193,6 +200,7 @@ def test_sigterm_to_torchrun_without_save_on_signal_keeps_the_last_epoch(patched
     assert outcome.redone == [1], outcome.describe()
 
 
+@pytest.mark.timed
 @pytest.mark.slow
 def test_sigint_to_a_single_process_run_exits_130(patched_tree, dataset, tmp_path):
     outcome = signal_scenario(patched_tree, dataset, tmp_path, signal.SIGINT, save_on_signal=False, nproc=1,
@@ -201,6 +209,7 @@ def test_sigint_to_a_single_process_run_exits_130(patched_tree, dataset, tmp_pat
     assert outcome.jobs[0].returncode == 130, outcome.describe()
 
 
+@pytest.mark.timed
 @pytest.mark.slow
 @pytest.mark.one_core  # one process
 def test_the_next_epoch_trains_while_an_epochs_checkpoint_is_written_and_a_stop_waits_for_the_write(
@@ -228,6 +237,7 @@ def test_the_next_epoch_trains_while_an_epochs_checkpoint_is_written_and_a_stop_
 
 # -- 3. a stuck rank ---------------------------------------------------------------------------------------------------
 
+@pytest.mark.timed
 @pytest.mark.slow
 def test_a_stalled_rank_fails_the_job_within_the_ddp_timeout(patched_tree, dataset, tmp_path):
     outcome = stall_scenario(patched_tree, dataset, tmp_path, max_restarts=0, ddp_timeout=10)
@@ -246,6 +256,7 @@ def interrupted(patched_tree, dataset, tmp_path_factory):
     return interrupted_run(patched_tree, dataset, tmp_path_factory.mktemp('interrupted'))
 
 
+@pytest.mark.timed
 @pytest.mark.slow
 def test_a_truncated_last_pt_falls_back_to_the_previous_checkpoint(patched_tree, dataset, interrupted, tmp_path):
     outcome = fallback_scenario(patched_tree, dataset, tmp_path, source=interrupted)
@@ -253,6 +264,7 @@ def test_a_truncated_last_pt_falls_back_to_the_previous_checkpoint(patched_tree,
     assert outcome.redone == [1], outcome.describe()  # one checkpoint interval lost with the damaged file
 
 
+@pytest.mark.timed
 @pytest.mark.slow
 def test_a_resume_reads_the_run_options_safely_on_a_slow_shared_filesystem(patched_tree, dataset, interrupted,
                                                                           tmp_path):
@@ -263,6 +275,7 @@ def test_a_resume_reads_the_run_options_safely_on_a_slow_shared_filesystem(patch
     assert not outcome.problems, outcome.describe()
 
 
+@pytest.mark.timed
 @pytest.mark.slow
 @pytest.mark.parametrize('how', ['truncated', 'garbage'])
 def test_an_unusable_last_pt_without_a_previous_is_refused(patched_tree, dataset, interrupted, tmp_path, how):
@@ -270,6 +283,7 @@ def test_an_unusable_last_pt_without_a_previous_is_refused(patched_tree, dataset
     assert not outcome.problems, outcome.describe()
 
 
+@pytest.mark.timed
 @pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_refused(patched_tree, dataset, interrupted, tmp_path):
     outcome = refused_checkpoint_scenario(patched_tree, dataset, tmp_path, 'another-model', source=interrupted,
@@ -277,6 +291,7 @@ def test_a_checkpoint_of_another_model_is_refused(patched_tree, dataset, interru
     assert not outcome.problems, outcome.describe()
 
 
+@pytest.mark.timed
 @pytest.mark.slow
 @pytest.mark.parametrize('via', ['auto-resume', 'torchrun-restart'])
 def test_lost_checkpoints_are_an_error_never_a_silent_restart(patched_tree, dataset, interrupted, tmp_path, via):
@@ -326,6 +341,7 @@ def test_corrupt_images_and_empty_labels_are_skipped_on_every_rank(patched_tree,
     assert not completed_run_problems(project, 2), completed_run_problems(project, 2)
 
 
+@pytest.mark.timed
 @pytest.mark.slow
 def test_a_missing_label_folder_stops_every_rank_promptly(patched_tree, dataset, tmp_path):
     data = copy_dataset(dataset, tmp_path / 'unlabelled', labels=False)

@@ -1,6 +1,6 @@
 """Two pytest-xdist workers on 2 cores. A test of a multi-process job (marked `cores`, or `slow` without
 `one_core`) runs beside another, since a job waits in collectives, start-up and restarts for a third of its time;
-jobs.torchrun_cmd refuses one to a test not marked so. A test that checks durations or deadlines against the clock
+jobs.torchrun_cmd refuses one to a test not marked so. A test that checks durations or tight deadlines on the clock
 (marked `timed`) runs beside no other job, only beside a test of one process. Modules of jobs run first, two at a
 time; then one worker takes the timed tests, one group, while the other runs the modules of one process.
 
