@@ -338,3 +338,14 @@ def test_final_checkpoints_are_named_as_the_upstream_script_names_them(tmp_path)
     assert TASKS['detect'].stripped(last) == tmp_path / 'weights' / 'last_striped.pt'  # train.py
     for name in ('detect-dual', 'detect-triple', 'segment', 'segment-dual'):
         assert TASKS[name].stripped(last) == last
+
+
+def test_the_final_validation_takes_the_ema_of_best_pt_as_upstreams_attempt_load_does():
+    """train.py leaves best.pt unstripped, its model the raw one beside the EMA: the final validation takes the EMA,
+    as upstream's attempt_load does; a stripped checkpoint's model is its EMA already."""
+    import torch
+    from yolov9_ddp.checkpoints import final_model, stripped
+    raw, ema = torch.nn.Conv2d(1, 1, 1), torch.nn.Conv2d(1, 1, 1)
+    assert final_model({'model': raw, 'ema': ema}) is ema
+    assert final_model(stripped({'model': raw, 'ema': ema, 'optimizer': {}, 'updates': 3})) is ema
+    assert final_model({'model': raw, 'ema': None}) is raw

@@ -97,6 +97,12 @@ def load_everywhere(load) -> dict:
     return broadcast_object(ckpt)
 
 
+def final_model(ckpt: dict):
+    """What a final checkpoint is validated with: its EMA where it keeps one (train.py leaves best.pt unstripped), as
+    upstream's attempt_load takes it."""
+    return ckpt.get('ema') or ckpt['model']
+
+
 def stripped(ckpt: dict) -> dict:
     """A final checkpoint as upstream's strip_optimizer leaves it: the EMA as the model, in half precision and frozen,
     without what only a resume needs."""

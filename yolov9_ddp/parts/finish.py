@@ -5,7 +5,7 @@ import filecmp
 
 from utils.general import LOGGER, colorstr
 from yolov9_ddp import comm, runs
-from yolov9_ddp.checkpoints import copy_file, load_checkpoint, load_everywhere
+from yolov9_ddp.checkpoints import copy_file, final_model, load_checkpoint, load_everywhere
 from yolov9_ddp.files import previous_path
 from yolov9_ddp.parts import Part
 
@@ -24,7 +24,7 @@ class Finish(Part):
             previous_path(last).unlink(missing_ok=True)
         if comm.broadcast_object(best.exists()):
             saved = load_everywhere(lambda: load_checkpoint(best))
-            model = saved['model'].to(trainer.device).float().fuse().eval()
+            model = final_model(saved).to(trainer.device).float().fuse().eval()
             LOGGER.info(f'\nValidating {best}...')
             trainer.results, _, _ = trainer.validate(model.half() if trainer.amp else model,
                                                      plots=not trainer.opt.noplots)
