@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from testsupport.faults import completed_run_problems
-from testsupport.jobs import run, run_probe, torchrun_cmd, train_args
+from testsupport.jobs import copy_dataset, run, run_probe, torchrun_cmd, train_args
 from testsupport.trees import describe
 from yolov9_ddp.samplers import ShardBatchSampler
 from yolov9_ddp.stream import epoch_order, rank_share, repeats_per_epoch, steps_per_epoch
@@ -44,9 +44,8 @@ def sampler_run(patched_tree, dataset, tmp_path_factory):
     second run reads the cache is test_faults' two-node job's assertion; that the order is a function of (seed,
     epoch) alone, test_stream's: here the job's order is compared with that function's."""
     out = tmp_path_factory.mktemp('sampler')
-    for cache in dataset.parent.glob('labels/*.cache'):
-        cache.unlink()  # so the probe shows who builds it
-    args = train_args(dataset, out / 'run', EPOCHS, BATCH, 64, '--seed', SEED)
+    data = copy_dataset(dataset, out / 'data')  # no cache, and none a test beside it builds: the probe shows who does
+    args = train_args(data, out / 'run', EPOCHS, BATCH, 64, '--seed', SEED)
     return [rank['sampler'] for rank in run_probe(patched_tree, WORLD, 'sampler', out / 'run.json', args,
                                                   {'epochs': EPOCHS})]
 

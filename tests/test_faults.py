@@ -13,7 +13,6 @@ half-way or racing another applier (tests/test_applier.py).
 import json
 import os
 import random
-import shutil
 import signal
 import uuid
 from dataclasses import replace
@@ -27,7 +26,7 @@ from testsupport.faults import (FAULT_EPOCHS, FAULTY, KILL_FAULTS, RAISE_FAULTS,
                                 node_cmd, one_error_line_problems, random_kill_scenario, refused_checkpoint_scenario,
                                 run_folders, scenario_args, signal_scenario, slow_filesystem_resume_scenario,
                                 stall_scenario, start_job, wait_for_path)
-from testsupport.jobs import PROBE, free_port, launch_cmd, train_args
+from testsupport.jobs import PROBE, copy_dataset, free_port, launch_cmd, train_args
 from testsupport.injected import Fault
 from yolov9_ddp import checkpoints, state
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
@@ -301,17 +300,6 @@ def test_lost_checkpoints_are_an_error_never_a_silent_restart(patched_tree, data
 
 
 # -- 5. bad data -------------------------------------------------------------------------------------------------------
-
-def copy_dataset(data_yaml: Path, dest: Path, labels=True) -> Path:
-    """A copy of a demo dataset (images, and labels unless labels=False) with its data.yaml pointing at it."""
-    shutil.copytree(data_yaml.parent / 'images', dest / 'images')
-    if labels:
-        shutil.copytree(data_yaml.parent / 'labels', dest / 'labels', ignore=shutil.ignore_patterns('*.cache'))
-    text = data_yaml.read_text().replace(f'path: {data_yaml.parent}', f'path: {dest}')
-    assert f'path: {dest}' in text, text
-    (dest / 'data.yaml').write_text(text)
-    return dest / 'data.yaml'
-
 
 @pytest.mark.slow
 def test_corrupt_images_and_empty_labels_are_skipped_on_every_rank(patched_tree, dataset, tmp_path):

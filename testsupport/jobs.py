@@ -2,6 +2,7 @@
 (testsupport/probes/probe.py) that report what each rank of a job saw."""
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -22,6 +23,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         return s.getsockname()[1]
+
+
+def copy_dataset(data_yaml: Path, dest: Path, labels=True) -> Path:
+    """A copy of a demo dataset (images, and labels unless labels=False) with its data.yaml pointing at it."""
+    shutil.copytree(data_yaml.parent / 'images', dest / 'images')
+    if labels:
+        shutil.copytree(data_yaml.parent / 'labels', dest / 'labels', ignore=shutil.ignore_patterns('*.cache'))
+    text = data_yaml.read_text().replace(f'path: {data_yaml.parent}', f'path: {dest}')
+    assert f'path: {dest}' in text, text
+    (dest / 'data.yaml').write_text(text)
+    return dest / 'data.yaml'
 
 
 def job_env(**extra) -> dict:
