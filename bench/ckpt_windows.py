@@ -15,11 +15,11 @@ window without taken after the window with only came out the faster in every pai
 is its batches over the time from the first to the last of its stamps (the window without: both halves' batches over
 both halves' times), taken every K steps after waiting for the GPU. The run stops after the P-th pair, about
 (2P + 1) W seconds after the Trainer starts. Each pair also says where its checkpoint's cost fell: its seconds on the
-training thread and in the writer's (each also as the thread's CPU seconds), until its file was in place, the img/s between stamps from 5 s before it
-to 20 s after, the training seconds it lost (lost_s: the intervals ending in the LOST_WITHIN_S after it, against the
-same batches at the pace of the window without's half after it), and the seconds of garbage collection in each
-window. A checkpoint of the pairs that was not written (skipped, failed) ends the call in one line: its pair
-would measure nothing.
+training thread and in the writer's (each also as the thread's CPU seconds), until its file was in place, the img/s
+between stamps from 5 s before it to 20 s after, the training seconds it lost (lost_s: the intervals ending in the
+LOST_WITHIN_S after it, against the same batches at the pace of the window without's half after it), and the seconds
+of garbage collection in each window. A checkpoint of the pairs that was not written (skipped, failed) ends the call
+in one line: its pair would measure nothing.
 
 Why one run: two runs per pair would each need epochs of minutes to hold a checkpoint a minute, and 3 pairs of
 them do not fit one 10-minute device call; windows of one run share the process, the data stream and the GPU's

@@ -79,8 +79,8 @@ def held(epoch: int, step: int, ranks=range(2)) -> list:
 
 
 def stopped(job: Job, nproc=2) -> str:
-    """SIGTERM to torchrun once every rank holds (a job started with the faults of held()); it must stop with a resumable
-    checkpoint."""
+    """SIGTERM to torchrun once every rank holds (a job started with the faults of held()); it must stop with a
+    resumable checkpoint."""
     wait_until(lambda: len(job.events('fired')) >= nproc, f'its {nproc} ranks to hold', job, DEADLINE_S)
     os.kill(job.proc.pid, signal.SIGTERM)
     job.wait(DEADLINE_S)
@@ -122,7 +122,8 @@ def test_a_sigkilled_rank_restarts_from_its_periodic_checkpoint_bit_identical_wi
     step 1 skipped, and nothing would write it while rank 1 holds."""
     project = tmp_path / 'runs'
     job = launch(patched_tree, tmp_path, 'killed', 2, args(data, project, '--checkpoint-steps', 1, '--workers', 2),
-                 max_restarts=1, script=FAULTY, fault=[*held(1, 2, ranks=[1]), Fault('slow', rank=0, epoch=1, step=1, sleep=3)],
+                 max_restarts=1, script=FAULTY,
+                 fault=[*held(1, 2, ranks=[1]), Fault('slow', rank=0, epoch=1, step=1, sleep=3)],
                  **NEW_INTERPRETERS)
     writers = []
 

@@ -283,9 +283,11 @@ WORKER_KILL_FAULTS = {
 }
 # An exception on one rank only, and the words its one error line must have
 RAISE_FAULTS = {
-    'in the loss': (Fault('raise', rank=1, where='loss', epoch=1, step=3), ('ValueError: injected fault on rank 1 at loss',)),
+    'in the loss': (Fault('raise', rank=1, where='loss', epoch=1, step=3),
+                    ('ValueError: injected fault on rank 1 at loss',)),
     "in a dataset's __getitem__ (a loader worker)": (
-        Fault('raise', rank=0, where='getitem', step=30), ('ValueError: injected fault on rank 0 at getitem', 'DataLoader worker')),
+        Fault('raise', rank=0, where='getitem', step=30),
+        ('ValueError: injected fault on rank 0 at getitem', 'DataLoader worker')),
     'in validation': (Fault('raise', rank=1, where='val', epoch=0), ('ValueError: injected fault on rank 1 at val',)),
     'CUDA out of memory': (Fault('raise', rank=1, epoch=1, step=2, error='oom'), ('out of GPU memory',)),
     'a killed loader worker': (Fault('killworker', rank=0, loader='val', epoch=1, step=2), ('DataLoader worker',
@@ -651,7 +653,8 @@ def slow_filesystem_resume_scenario(tree, data, workdir: Path, source: Path = No
     rank 1 is 1.5 s late: the run must complete, every rank starting from the run's saved options."""
     run_dir = interrupted_copy(tree, data, workdir, source, epochs)
     job = resume_job(tree, workdir, run_dir / 'weights' / 'last.pt',
-                     fault=[Fault('slow', rank=0, where='opt_yaml', sleep=5), Fault('slow', rank=1, where='resume_options', sleep=1.5)])
+                     fault=[Fault('slow', rank=0, where='opt_yaml', sleep=5),
+                            Fault('slow', rank=1, where='resume_options', sleep=1.5)])
     job.wait(300)
     problems = [] if len(job.events('fired')) == 2 else ['the slow filesystem was not simulated on both ranks']
     if job.returncode:

@@ -180,5 +180,6 @@ def fused(optimizer):
         for group in fused_optimizer.param_groups:
             if group['momentum']:
                 for p in group['params']:
-                    fused_optimizer.state[p]['momentum_buffer'] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    fused_optimizer.state[p]['momentum_buffer'] = torch.zeros_like(
+                        p, memory_format=torch.preserve_format)
     return fused_optimizer
