@@ -135,6 +135,7 @@ def pytest_collection_modifyitems(items):
     items[:] = in_scheduling_order(items)  # testsupport/cores.py
 
 
+@pytest.hookimpl(optionalhook=True)  # a run without pytest-xdist (-p no:xdist) has no such hook
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue('dist') == 'loadfile':
         return timed_together(config, log)  # testsupport/cores.py
