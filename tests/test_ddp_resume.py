@@ -20,7 +20,7 @@ from testsupport.faults import (children_of, faulty_torchrun, one_error_line_pro
 from testsupport.jobs import job_env, run, torchrun_cmd, train_args
 from testsupport.injected import Fault, to_env
 from testsupport.trees import KIT, copy_tree, run_applier
-from yolov9_ddp import checkpoints, cli, runs
+from yolov9_ddp import checkpoints, cli, experiment, runs
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset
 from yolov9_ddp.tasks import TASKS
 
@@ -118,6 +118,20 @@ def test_a_truncated_checkpoint_is_reported_not_loaded(tmp_path):
     target.write_bytes(target.read_bytes()[:200])
     with pytest.raises(checkpoints.CheckpointError, match='truncated or corrupt'):
         checkpoints.load_checkpoint(target)
+
+
+def test_a_start_that_trains_epochs_again_drops_their_results_rows(tmp_path):
+    """Rows of the epoch the start continues at and later go, a row cut short by a kill with them; those before stay
+    byte for byte."""
+    header, kept = '               epoch,      train/box_loss\n', [f'{e:>20},{0.5:>20}\n' for e in range(2)]
+    results = tmp_path / 'results.csv'
+    results.write_text(header + ''.join(kept) + f'{2:>20},{0.4:>20}\n' + '     ')
+    experiment.continue_results_csv(tmp_path, 2)
+    assert results.read_text() == header + ''.join(kept)
+    experiment.continue_results_csv(tmp_path, 2)
+    assert results.read_text() == header + ''.join(kept)
+    experiment.continue_results_csv(tmp_path, 0)
+    assert results.read_text() == header
 
 
 # -- resume ------------------------------------------------------------------------------------------------------------

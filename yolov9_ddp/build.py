@@ -177,6 +177,8 @@ def build(task, opt, device, plan, checkpoints) -> dict:
     run = RunState(scaler, ema, EarlyStopping(patience=opt.patience), len(dataset), batch_size, world, accumulate)
     resumed_mean_loss = restore(ckpt, opt, optimizer, ema, run, raw_model, nb) if ckpt and opt.resume else None
     del ckpt
+    if primary:
+        experiment.continue_results_csv(save_dir, run.epoch)
     if primary and continued:
         experiment.continue_tensorboard(loggers, save_dir, run.epoch)
     if extending is not None:

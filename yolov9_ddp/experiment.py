@@ -1,6 +1,7 @@
 """One experiment log across the starts of a run (--resume, --auto-resume, a torchrun restart, a Slurm requeue), on
-rank 0, the only rank with loggers. TensorBoard: the run folder keeps one log, and a start that continues at epoch E
-purges what an earlier start logged from E on (SummaryWriter's purge_step), so that each epoch shows once. W&B: every
+rank 0, the only rank with loggers. results.csv and TensorBoard: the run folder keeps one log of each, and a start
+that continues at epoch E drops what an earlier start logged from E on (SummaryWriter's purge_step for TensorBoard),
+so that each epoch shows once. W&B: every
 start continues the run's one W&B run, whose id run.json keeps (WANDB_RUN_ID, WANDB_RESUME=allow, read by the
 wandb.init of upstream's loggers)."""
 import os
@@ -8,6 +9,7 @@ import uuid
 from pathlib import Path
 
 from yolov9_ddp import runs
+from yolov9_ddp.files import atomic_write
 
 
 def continue_wandb_run(save_dir):
@@ -34,3 +36,23 @@ def continue_tensorboard(loggers, save_dir, epoch: int):
     from torch.utils.tensorboard import SummaryWriter
     owner.tb.close()
     owner.tb = SummaryWriter(str(save_dir), purge_step=epoch)
+
+
+def continue_results_csv(save_dir, epoch: int):
+    """results.csv without the rows of epoch and later (upstream's loggers append one an epoch): an earlier start
+    logged them and was stopped before their checkpoint, and this start trains those epochs again."""
+    path = Path(save_dir) / 'results.csv'
+    if not path.is_file():
+        return
+    header, *rows = path.read_text().splitlines(keepends=True) or ['']
+    kept = [row for row in rows if logged_epoch(row) < epoch]
+    if len(kept) < len(rows):
+        atomic_write(path, lambda f: f.write(''.join([header, *kept]).encode()))
+
+
+def logged_epoch(row: str) -> float:
+    """The epoch of a results.csv row (its first column); a row cut short by a kill counts as the latest."""
+    try:
+        return float(row.split(',', 1)[0])
+    except ValueError:
+        return float('inf')
