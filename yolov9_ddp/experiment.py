@@ -1,9 +1,8 @@
 """One experiment log across the starts of a run (--resume, --auto-resume, a torchrun restart, a Slurm requeue), on
 rank 0, the only rank with loggers. results.csv and TensorBoard: the run folder keeps one log of each, and a start
 that continues at epoch E drops what an earlier start logged from E on (SummaryWriter's purge_step for TensorBoard),
-so that each epoch shows once. W&B: every
-start continues the run's one W&B run, whose id run.json keeps (WANDB_RUN_ID, WANDB_RESUME=allow, read by the
-wandb.init of upstream's loggers)."""
+so that each epoch shows once. W&B: every start continues the run's one W&B run, whose id run.json keeps
+(WANDB_RUN_ID, WANDB_RESUME=allow, read by the wandb.init of upstream's loggers)."""
 import os
 import uuid
 from pathlib import Path
