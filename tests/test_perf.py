@@ -169,16 +169,19 @@ def test_a_new_run_on_one_gpu_takes_the_one_gpu_defaults_unless_told_otherwise(t
         return perf.for_run(cli.parse_args(list(args), tmp_path, TASKS[task]), world, TASKS[task])
     assert chosen('--device', '0') == Perf(), 'no CUDA here'
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    heuristics = replace(Perf(), cudnn_benchmark=False)
     assert chosen('--device', '0') == replace(Perf(), **ONE_GPU_DEFAULTS) == replace(
-        Perf(), cuda_graphs=True, channels_last=True, dense_box_loss=True)
-    assert chosen('--device', '0', task='segment-dual') == replace(Perf(), cuda_graphs=True, channels_last=True), \
+        heuristics, cuda_graphs=True, channels_last=True, dense_box_loss=True)
+    assert chosen('--device', '0', task='segment-dual') == replace(heuristics, cuda_graphs=True, channels_last=True), \
         'dense_box_loss only where the loss takes it'
     assert chosen('--device', 'cpu') == chosen('--device', '0,1', world=2) == Perf()
     assert chosen('--device', '0', '--resume') == Perf(), "a resume keeps the run's own (recorded) switches"
-    without_graphs = replace(Perf(), channels_last=True, dense_box_loss=True)
+    without_graphs = replace(heuristics, channels_last=True, dense_box_loss=True)
     assert chosen('--device', '0', '--multi-scale') == without_graphs
     assert chosen('--device', '0', '--batch-size', '-1') == without_graphs, 'AutoBatch'
-    assert chosen('--device', '0', '--levers', 'channels_last=0,dense_box_loss=0') == replace(Perf(), cuda_graphs=True)
+    assert chosen('--device', '0', '--levers', 'channels_last=0,dense_box_loss=0') == replace(heuristics,
+                                                                                              cuda_graphs=True)
+    assert chosen('--device', '0', '--levers', 'cudnn_benchmark=1').cudnn_benchmark
     assert chosen('--device', '0', '--deterministic') == replace(Perf(), **DETERMINISTIC), "upstream's numerics"
 
 
@@ -260,6 +263,26 @@ def test_a_run_trained_with_cuda_graphs_resumes_on_cpus_without_them(tmp_path, m
     assert perf.parse(opt.levers)['cuda_graphs'] is False and opt.device == 'cpu'
     assert [line for line in said if 'cuda_graphs 1 -> 0' in line]
     cli.check_options(opt, 1, task)  # what would refuse the resume: '--levers cuda_graphs=1 needs a CUDA device'
+
+
+def test_cudnn_benchmark_off_leaves_the_choice_to_cudnns_heuristics_and_only_deterministic_restricts_it(
+        monkeypatch):
+    """Off, the switch leaves each convolution to cuDNN's heuristics (torch's default), not to the deterministic
+    algorithms: those come with --deterministic alone."""
+    monkeypatch.setenv('CUBLAS_WORKSPACE_CONFIG', perf.CUBLAS_WORKSPACE)  # the variables it may set, restored after
+    monkeypatch.setenv('PYTHONHASHSEED', '0')
+    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+             torch.are_deterministic_algorithms_enabled())
+    try:
+        for switch, deterministic in ((False, False), (True, False), (False, True)):
+            torch.use_deterministic_algorithms(False)
+            torch.backends.cudnn.deterministic = False
+            perf.apply_to_torch(replace(Perf(), cudnn_benchmark=switch), seed=0, deterministic=deterministic)
+            assert torch.backends.cudnn.benchmark == switch
+            assert torch.are_deterministic_algorithms_enabled() == torch.backends.cudnn.deterministic == deterministic
+    finally:
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[:2]
+        torch.use_deterministic_algorithms(saved[2])
 
 
 @pytest.mark.usefixtures('upstream_importable')

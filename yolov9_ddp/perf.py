@@ -5,7 +5,7 @@ A user can set five switches, `--levers name=0|1,...` (`--channels-last` is shor
 
     cuda_graphs       the model's forward and backward replayed as CUDA graphs, gradients zeroed in place
     channels_last     NHWC tensors for the convolutions
-    cudnn_benchmark   autotuned convolutions in training instead of upstream's deterministic algorithms
+    cudnn_benchmark   training's convolutions autotuned at their first use instead of chosen by cuDNN's heuristics
     fused_optimizer   one fused kernel per parameter group for the optimizer step (CUDA)
     dense_box_loss    detection losses: targets padded on the host, the box loss over every anchor (boxloss.py)
 
@@ -34,7 +34,8 @@ class Perf:
 
 
 SWITCHES = tuple(f.name for f in fields(Perf))
-ONE_GPU_DEFAULTS = {'cuda_graphs': True, 'channels_last': True, 'dense_box_loss': True}
+# cudnn_benchmark off: on one GPU, autotuning made a run's first step seconds slower and no epoch faster
+ONE_GPU_DEFAULTS = {'cuda_graphs': True, 'channels_last': True, 'dense_box_loss': True, 'cudnn_benchmark': False}
 DETERMINISTIC = {'cudnn_benchmark': False, 'fused_optimizer': False, 'channels_last': False, 'dense_box_loss': False}
 CUBLAS_WORKSPACE = ':4096:8'  # what cuBLAS needs for deterministic results (upstream's init_seeds sets it too)
 # The levers of kit 0.6.0 that are now always on, part of a switch (host_targets of dense_box_loss, resident_grads
@@ -154,7 +155,7 @@ def apply_to_torch(perf: Perf, seed: int, deterministic: bool) -> str:
     """Set torch's global choices for the run; returns the line that says so under --deterministic ('' else).
     Deterministic algorithms as upstream's init_seeds(deterministic=True), but without torch's fill of new tensors
     with NaN: training reads no memory it did not write, and the fill costs a memset per tensor."""
-    if deterministic or not perf.cudnn_benchmark:
+    if deterministic:
         torch.use_deterministic_algorithms(True)
         torch.utils.deterministic.fill_uninitialized_memory = False
         torch.backends.cudnn.deterministic = True
