@@ -265,7 +265,7 @@ def test_checkpoint_windows_time_each_checkpoint_until_its_file_is_in_place(tmp_
     from bench.ckpt_windows import Windows, instrument
     from yolov9_ddp.checkpoints import Checkpoints
     from yolov9_ddp.writer import WriterProcess
-    model, last = torch.nn.Linear(4, 4), tmp_path / 'last.pt'
+    model, last = torch.nn.Linear(1024, 1024), tmp_path / 'last.pt'  # a host copy that takes a millisecond or more
     callbacks = list(gc.callbacks)
     checkpoints = Checkpoints(print, WriterProcess(print))
     try:
