@@ -69,12 +69,9 @@ sys.path.insert(0, str(KIT))
 from bench import photo_data, prepare_trees, results  # noqa: E402
 from testsupport import imagecache  # noqa: E402
 from yolov9_ddp.demo_data import DemoSpec, ensure_demo_dataset, generated_dataset  # noqa: E402
-from yolov9_ddp.perf import DETERMINISTIC  # noqa: E402  (the one name bench/ takes from yolov9_ddp.perf)
 from yolov9_ddp.tasks import TASKS  # noqa: E402
 
 NCCL_SAFETY = {'NCCL_NVLS_ENABLE': '0', 'TORCH_SYMM_MEM_DISABLE_MULTICAST': '1', 'NVSHMEM_DISABLE_NVLS': '1'}
-# the kit's levers that change the arithmetic, at upstream's values (channels_last is a default on one GPU)
-UPSTREAM_NUMERICS = ','.join(f'{name}={int(on)}' for name, on in DETERMINISTIC.items())
 TINY_CFG = str(KIT / 'yolov9_ddp' / 'models' / 'tiny-dual.yaml')
 IN_LOOP = re.compile(r'epoch (\d+): (\d+) images in ([\d.]+) s \(([\d.]+) img/s\)')
 EPOCH_END = re.compile(r'validation ([\d.]+) s, epoch end ([\d.]+) s')  # the kit's 'epoch N: ...' line
@@ -584,10 +581,10 @@ class Bench:
             runs[kit] = trained(n, chosen)
             pairs[f'{results.PARITY}{suffix}/gpus'] = ('1 GPU', kit, points, 'mAP50-95 points apart: 1 GPU against '
                                                        'N GPUs, same global batch, epochs and seed')
-        runs[upstream_numerics] = trained(n, ['--levers', UPSTREAM_NUMERICS], '-upstream-numerics')
+        runs[upstream_numerics] = trained(n, ['--deterministic'], '-upstream-numerics')  # upstream's arithmetic
         pairs[f'{results.PARITY}{suffix}/numerics'] = (upstream_numerics, kit, points, "mAP50-95 points apart: the "
-                                                       "kit's defaults against upstream's numerics (--levers "
-                                                       f'{UPSTREAM_NUMERICS}), same seed')
+                                                       "kit's defaults against upstream's numerics (--deterministic), "
+                                                       'same seed')
         self.rounds(runs, pairs)
 
     def entry_points(self):
