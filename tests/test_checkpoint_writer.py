@@ -375,6 +375,23 @@ def test_the_writer_process_writes_the_file_the_thread_would_and_says_so_in_one_
     assert writer.process.child.exitcode == 0, 'close() ends the child: its last message'
 
 
+def test_a_final_checkpoint_written_stripped_is_the_whole_one_stripped_and_the_writer_knows_it(tmp_path):
+    """A run's last epoch writes its last.pt stripped at once (parts/epoch_end.py): the bytes of the whole checkpoint
+    stripped, with no whole file to read back; the finish sees it from stripped_written (parts/finish.py)."""
+    state, lines = checkpoint_state(), []
+    whole, last = tmp_path / 'whole.pt', tmp_path / 'last.pt'
+    writer = with_process(lines)
+    assert writer.save(lambda: state, whole, 'checkpoint of epoch 2')
+    writer.wait()
+    assert writer.stripped_written is None
+    assert writer.save(lambda: state, last, 'checkpoint of epoch 3', strip=True)
+    writer.close()
+    writer.strip(whole, tmp_path / 'stripped.pt')
+    final = torch.load(last, weights_only=False)
+    assert same_checkpoint(final, torch.load(tmp_path / 'stripped.pt', weights_only=False)) and lines == []
+    assert writer.stripped_written == last and final['optimizer'] is None and final['epoch'] == -1
+
+
 def test_the_writer_process_forked_ahead_ends_at_close_though_a_forked_worker_holds_its_pipe(tmp_path):
     """The trainer forks the child as it sets up, before the loader forks its workers, which then hold copies of the
     pipe's ends: close() must still end the child at once, having written what it was given. And a child ended by a

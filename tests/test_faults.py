@@ -125,11 +125,12 @@ def test_a_kill_while_the_final_checkpoint_is_stripped_leaves_a_loadable_last_pt
 @pytest.fixture(scope='module')
 def worker_kill_chain(patched_tree, dataset, tmp_path_factory):
     """The outcome of one job whose loader workers are killed as WORKER_KILL_FAULTS say, one kill per attempt, in that
-    order, each in the next epoch (the first in epoch 1), the final validation's last."""
+    order, each in the next epoch (the first in epoch 1), the final validation's last. An epoch follows the last of
+    them: the last epoch's write is the final strip (parts/epoch_end.py), after which training has ended."""
     chain = [replace(fault, epoch=attempt + 1 if fault.epoch == 1 else fault.epoch, attempt=attempt)
              for attempt, fault in enumerate(WORKER_KILL_FAULTS.values())]
     return kill_scenario(patched_tree, dataset, tmp_path_factory.mktemp('worker-kill-chain'), chain,
-                         epochs=len(chain), max_restarts=len(chain), timeout=480, extra=WORKERS)
+                         epochs=len(chain) + 1, max_restarts=len(chain), timeout=480, extra=WORKERS)
 
 
 @pytest.mark.slow

@@ -122,14 +122,18 @@ def stripped(ckpt: dict) -> dict:
 class QueuedCheckpoint(QueuedHostCopy):
     """A trainer's checkpoint as a QueuedHostCopy, which calling completes in upstream's format wherever that runs:
     the grad scaler's numbers (hostcopy.scaler_numbers), the models in the default memory format, which upstream's
-    fuse_conv_and_bn() (a .view) requires."""
+    fuse_conv_and_bn() (a .view) requires; strip: as a run's final checkpoint (stripped())."""
+
+    def __init__(self, ckpt: dict, strip=False):
+        super().__init__(ckpt)
+        self.strip = strip
 
     def __call__(self) -> dict:
         ckpt = self.result()
         ckpt['scaler'] = scaler_numbers(ckpt['scaler'])
         for key in ('model', 'ema'):
             ckpt[key].to(memory_format=torch.contiguous_format)
-        return ckpt
+        return stripped(ckpt) if self.strip else ckpt
 
 
 class Checkpoints:
@@ -144,6 +148,7 @@ class Checkpoints:
         self.save_file = save  # what writes a checkpoint into a file, in the writer process or the thread
         self.thread = None
         self.started = None  # time.monotonic() of the running write's start
+        self.stripped_written = None  # the path of the last write, where it went out stripped (a run's final one)
         self.asked = time.monotonic()  # of the last save asked for, written or skipped (--checkpoint-minutes)
 
     @property
@@ -156,10 +161,11 @@ class Checkpoints:
         if self.process is not None and not self.process.start_if_needed():
             self.process = None
 
-    def save(self, make, path: Path, name: str, then=(), skip_if_busy=False) -> bool:
-        """Write the checkpoint make() gives to path (keeping the file it replaces), then run each of then() in the
-        writer thread once it is in place; name says which checkpoint this is ('checkpoint at epoch 3 step 1200').
-        Queues the host copy here; returns whether the write was started (make() is not called where it was not)."""
+    def save(self, make, path: Path, name: str, then=(), skip_if_busy=False, strip=False) -> bool:
+        """Write the checkpoint make() gives to path (keeping the file it replaces), stripped() with strip, then run
+        each of then() in the writer thread once it is in place; name says which checkpoint this is ('checkpoint at
+        epoch 3 step 1200'). Queues the host copy here; returns whether the write was started (make() is not called
+        where it was not)."""
         self.asked = time.monotonic()
         if skip_if_busy and self.busy:
             self.log(f'{name} skipped: the previous write ({time.monotonic() - self.started:.1f} s so far) is still '
@@ -167,7 +173,7 @@ class Checkpoints:
             return False
         self.wait()
         self.start_process()  # again where it has ended; on the training thread, which the process's life follows
-        copy = QueuedCheckpoint(make())
+        copy = QueuedCheckpoint(make(), strip)
         self.started = time.monotonic()
         self.thread = threading.Thread(target=self.write, args=(copy, Path(path), name, then),
                                        name='checkpoint-writer')
@@ -180,6 +186,7 @@ class Checkpoints:
                 self.process.write(copy, path, self.save_file)
             else:
                 self.save_file(copy(), path, keep_previous=True)
+            self.stripped_written = path if copy.strip else None
             for step in then:
                 step()
         except Exception as e:  # disk full, permissions: no partial file, and the checkpoints before it are intact

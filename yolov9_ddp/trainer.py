@@ -210,10 +210,10 @@ class Trainer:
         finally:
             torch.backends.cudnn.benchmark = benchmark
 
-    def save(self, epoch: int, step: int, name: str, then=(), skip_if_busy=False) -> bool:
-        """The run's checkpoint at (epoch, step) into last.pt, written off the training thread by rank 0, run.json
-        recording it once in place (then: what else to do then, in the writer's thread). Every rank takes part:
-        mid-epoch each rank's own statistics are gathered."""
+    def save(self, epoch: int, step: int, name: str, then=(), skip_if_busy=False, strip=False) -> bool:
+        """The run's checkpoint at (epoch, step) into last.pt (stripped with strip: the run's final one), written off
+        the training thread by rank 0, run.json recording it once in place (then: what else to do then, in the
+        writer's thread). Every rank takes part: mid-epoch each rank's own statistics are gathered."""
         ranks = None
         if step:  # at an epoch's start the ranks hold the statistics synchronised at the end of the last
             own = state.rank_state(self.raw_model, self.ema.ema, self.mloss)
@@ -222,7 +222,7 @@ class Trainer:
             return False
         recorded = lambda: runs.write_record(self.save_dir, saved_epoch=epoch - 1, saved_position=[epoch, step])
         return self.checkpoints.save(lambda: self.checkpoint(epoch, step, ranks), self.last, name, (recorded, *then),
-                                     skip_if_busy)
+                                     skip_if_busy, strip)
 
     def checkpoint(self, epoch: int, step: int, ranks) -> dict:
         """Upstream's checkpoint (its scripts read the kit's) with the run's state at (epoch, step)."""

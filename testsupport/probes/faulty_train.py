@@ -201,7 +201,8 @@ class LoaderFaults:
 
 class SaveFaults:
     """The checkpoints' file writer (checkpoints.save_file), in the writer process or thread: faults of last.pt's
-    writes (the checkpoint's 'epoch', upstream's, is the last complete one) and of the final strip. The writer process,
+    writes (the checkpoint's 'epoch', upstream's, is the last complete one) and of the final strip, which is the last
+    epoch's write where that goes out stripped (parts/epoch_end.py), and then its faults too. The writer process,
     forked from the rank before training, has its own copy of the rank's faults; pickled there with each checkpoint,
     this takes along what only the rank knows: its pid and its loader workers."""
 
@@ -215,10 +216,12 @@ class SaveFaults:
         return {**self.__dict__, 'epoch': STATE['epoch']}
 
     def __call__(self, ckpt: dict, path: Path, keep_previous=False):
-        last = path.name.startswith('last')
-        stripping = ckpt['epoch'] == -1
-        half = due('strip') if last and stripping else due('save', ckpt['epoch']) if last else []
-        between = due('rename', ckpt['epoch']) if last and not stripping else []
+        stripping, half, between = ckpt['epoch'] == -1, [], []
+        if path.name.startswith('last'):
+            saving = not stripping or keep_previous  # a strip keeps no previous file; the last epoch's write does
+            epoch = ckpt['epoch'] if not stripping else self.epoch if self.epoch is not None else STATE['epoch']
+            half = (due('strip') if stripping else []) + (due('save', epoch) if saving else [])
+            between = due('rename', epoch) if saving else []
         with self.killed_between_renames(between):
             files.atomic_write(path, lambda f: self.half_then_fire(ckpt, f, half), keep_previous)
 

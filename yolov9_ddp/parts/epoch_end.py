@@ -40,15 +40,20 @@ class EpochEnd(Part):
 
     @staticmethod
     def save(trainer, epoch: int, final: bool, fitness: float):
-        """last.pt at the start of the next epoch; once it is in place, its copies and the loggers' model save."""
+        """last.pt at the start of the next epoch; once it is in place, its copies and the loggers' model save. The
+        run's last epoch writes it stripped at once where the task strips it in place (no whole file to wait for,
+        read back and strip at the finish), but where an epochN.pt, a whole checkpoint, is due too."""
         last, then = trainer.last, []
         if fitness == trainer.state.best_fitness:
             then.append(lambda: copy_file(last, trainer.best))
-        if trainer.opt.save_period > 0 and epoch % trainer.opt.save_period == 0:
+        numbered = trainer.opt.save_period > 0 and epoch % trainer.opt.save_period == 0
+        if numbered:
             then.append(lambda: copy_file(last, trainer.weights_dir / f'epoch{epoch}.pt'))
         best_fitness = trainer.state.best_fitness
         then.append(lambda: trainer.callbacks.run('on_model_save', last, epoch, final, best_fitness, fitness))
-        trainer.save(epoch + 1, 0, f'checkpoint of epoch {epoch}', then)
+        last_epoch = epoch + 1 == trainer.opt.epochs or trainer.stop_early
+        trainer.save(epoch + 1, 0, f'checkpoint of epoch {epoch}', then,
+                     strip=last_epoch and trainer.task.stripped(last) == last and not numbered)
 
 
 def memory_report(trainer) -> str:

@@ -33,17 +33,20 @@ class Finish(Part):
 
 
 def strip_final_checkpoints(trainer):
-    """Upstream's stripped last.pt and best.pt (train.py and train_triple.py name them *_striped.pt, the others strip
+    """Upstream's stripped last.pt and best.pt (train.py names them *_striped.pt, the others strip them
     in place); where best.pt is the last epoch's checkpoint (the same bytes), its stripped file is a copy of
-    last.pt's, not loaded and stripped again."""
+    last.pt's, not loaded and stripped again. The last epoch's went out stripped already where it could (epoch_end.py),
+    and best.pt as its copy."""
     last, best, stripped = trainer.last, trainer.best, trainer.task.stripped
+    written_stripped = trainer.checkpoints.stripped_written == last
     best_is_last = last.exists() and best.exists() and filecmp.cmp(last, best, shallow=False)
     for source in (last, best):
         if not source.exists():
             continue
         if source == best and best_is_last:
-            copy_file(stripped(last), stripped(best))
-        else:
+            if not written_stripped:
+                copy_file(stripped(last), stripped(best))
+        elif not (source == last and written_stripped):
             trainer.checkpoints.strip(source, stripped(source))
         size = stripped(source).stat().st_size / 1E6
         LOGGER.info(f'Optimizer stripped from {source}, saved as {stripped(source)}, {size:.1f}MB')
