@@ -1,6 +1,7 @@
 """The end of every epoch: the EMA and the BatchNorm statistics averaged over the ranks (ema.py), validation on
 every rank's shard, the best fitness and early stopping, the loggers' epoch, then last.pt (best.pt and epochN.pt as
-its copies) written off the training thread: the next epoch starts while the write runs."""
+its copies) written off the training thread: the next epoch starts while the write runs. The run's last epoch
+writes it stripped, as the finish leaves it, where it can (EpochEnd.save)."""
 import time
 
 import torch
