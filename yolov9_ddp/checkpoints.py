@@ -106,15 +106,17 @@ def final_model(ckpt: dict):
 def stripped(ckpt: dict) -> dict:
     """A final checkpoint as upstream's strip_optimizer leaves it: the EMA as the model, in half precision and frozen,
     without what only a resume needs."""
-    if ckpt.get('ema'):
-        ckpt['model'] = ckpt['ema']
-    for key in ('optimizer', 'ema', 'updates'):  # the best fitness stays: an extension of the run needs it
-        ckpt[key] = None
-    ckpt['epoch'] = -1
+    ckpt = final_entries(ckpt)
     ckpt['model'].half()
     for parameter in ckpt['model'].parameters():
         parameter.requires_grad = False
     return ckpt
+
+
+def final_entries(ckpt: dict) -> dict:
+    """ckpt's entries as a final checkpoint holds them, in a new dict, its modules untouched: the EMA as the model,
+    no optimizer, EMA or count of updates (the best fitness stays: an extension of the run needs it), epoch -1."""
+    return {**ckpt, 'model': final_model(ckpt), 'optimizer': None, 'ema': None, 'updates': None, 'epoch': -1}
 
 
 # -- the manager ------------------------------------------------------------------------------------------------------
@@ -125,14 +127,15 @@ class QueuedCheckpoint(QueuedHostCopy):
     fuse_conv_and_bn() (a .view) requires; strip: as a run's final checkpoint (stripped())."""
 
     def __init__(self, ckpt: dict, strip=False):
-        super().__init__(ckpt)
+        super().__init__(final_entries(ckpt) if strip else ckpt)  # what a stripped file drops is not copied
         self.strip = strip
 
     def __call__(self) -> dict:
         ckpt = self.result()
         ckpt['scaler'] = scaler_numbers(ckpt['scaler'])
         for key in ('model', 'ema'):
-            ckpt[key].to(memory_format=torch.contiguous_format)
+            if ckpt[key] is not None:
+                ckpt[key].to(memory_format=torch.contiguous_format)
         return stripped(ckpt) if self.strip else ckpt
 
 
