@@ -89,6 +89,25 @@ def test_torchrun_names_the_cause_and_not_its_consequence_recorded_in_the_same_s
     assert summary.get_first_failure()[1].message == 'out of GPU memory'
 
 
+def test_a_rank_stopped_by_anothers_failure_exits_only_once_its_nodes_first_rank_has_its_line_out(tmp_path, monkeypatch,
+                                                                                                    capsys):
+    """Rank 0 fails in a step all ranks take, rank 1 stops there (PeerFailed) and prints nothing: rank 1 must not exit
+    before rank 0 has reported, or torchrun stops rank 0 before its one line is out."""
+    from yolov9_ddp import comm, entry
+    attempt = tmp_path / 'attempt_0'
+    for local_rank in ('0', '1'):
+        (attempt / local_rank).mkdir(parents=True)
+    monkeypatch.setenv('TORCHELASTIC_ERROR_FILE', str(attempt / '1' / 'error.json'))
+    for name, value in (('RANK', '1'), ('LOCAL_RANK', '1'), ('WORLD_SIZE', '2')):
+        monkeypatch.setenv(name, value)
+    rank0_reports = threading.Timer(0.5, (attempt / '0' / 'error.json').write_text, ['{}'])
+    rank0_reports.start()
+    started = time.monotonic()
+    entry.report('ddp_train_dual.py', comm.PeerFailed('stopping: another rank failed'))
+    assert time.monotonic() - started >= 0.45 and capsys.readouterr().err == ''
+    assert json.loads((attempt / '1' / 'error.json').read_text())['message'].startswith('ddp_train_dual.py [rank 1]')
+
+
 def test_torchrun_never_finds_the_record_half_written(tmp_path, monkeypatch):
     """torchrun reads a failed worker's file whenever it finds the worker gone, which may be in the middle of the
     worker's write (it stops the other ranks of a failed job, and they record why as they exit): every read while

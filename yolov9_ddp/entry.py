@@ -30,10 +30,11 @@ def report(script: str, error: BaseException, consequence=False):
     where = f' [rank {rank}]' if comm.launched_world_size() > 1 else ''
     alike = (isinstance(error, comm.Unanimous) and rank != 0) or \
         (isinstance(error, comm.LaunchError) and comm.get_local_rank() != 0)  # a node's processes see it alike
-    if not (alike or isinstance(error, comm.PeerFailed)):  # PeerFailed: the failed rank reports, before its exit
+    silent = alike or isinstance(error, comm.PeerFailed)  # PeerFailed: the failed rank reports, before its exit
+    if not silent:
         print(f'{script}: error{where}: {error}', file=sys.stderr, flush=True)
     failures.record_for_torchrun(f'{script}{where}: {error}', consequence or isinstance(error, comm.PeerFailed))
-    if alike:
+    if silent:
         failures.wait_for_the_node_reporter()
 
 

@@ -129,9 +129,10 @@ def where(error: BaseException) -> str:
 
 
 def wait_for_the_node_reporter(timeout_s: float = REPORTER_WAIT_S):
-    """Return once this node's first process, which prints an error every process sees alike, has recorded its error
-    file (torchrun's .../attempt_N/LOCAL_RANK/error.json), or after timeout_s: torchrun stops the whole job when one
-    process exits, and a silent one exiting first would cut the reporter's line off."""
+    """Return once this node's first process, which prints an error every process sees alike (or its own, where the
+    others stopped because it failed), has recorded its error file (torchrun's .../attempt_N/LOCAL_RANK/error.json),
+    or after timeout_s: torchrun stops the whole job when one process exits, and a silent one exiting first would cut
+    the reporter's line off."""
     own, local_rank = os.environ.get('TORCHELASTIC_ERROR_FILE'), os.environ.get('LOCAL_RANK')
     if not own or local_rank in (None, '0') or Path(own).parent.name != local_rank:
         return
