@@ -1,6 +1,6 @@
 """The end of training: the last write completes; rank 0 strips last.pt and best.pt as upstream's script leaves
-them (where the last epoch's write left them whole) and marks the run finished (only then: a restart before it resumes from last.previous.pt); every rank
-validates best.pt with plots, and the final line names its metrics."""
+them (where the last epoch's write left them whole) and marks the run finished (only then: a restart before it
+resumes from last.previous.pt); every rank validates best.pt with plots, and the final line names its metrics."""
 import filecmp
 
 from utils.general import LOGGER, colorstr
