@@ -2,6 +2,7 @@
 (testsupport/probes/probe.py) that report what each rank of a job saw."""
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -20,9 +21,18 @@ NEW_INTERPRETERS = {'YOLOV9_TEST_FORKED': '0'}  # env of a job whose processes a
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
+    """A port free now, drawn below the kernel's ephemeral range: a port bound as 0 (gloo's connections, the next
+    job's) comes from that range, and could take this one before its job binds it (EADDRINUSE). Drawn from the
+    system's randomness: pytest-randomly seeds the random module alike in every test."""
+    ephemeral_start = int(Path('/proc/sys/net/ipv4/ip_local_port_range').read_text().split()[0])
+    while True:
+        port = random.SystemRandom().randrange(max(1024, ephemeral_start - 10000), ephemeral_start)
+        with socket.socket() as s:
+            try:
+                s.bind(('127.0.0.1', port))
+            except OSError:  # taken: draw again
+                continue
+            return port
 
 
 def copy_dataset(data_yaml: Path, dest: Path, labels=True) -> Path:
