@@ -238,17 +238,15 @@ class Bench:
 
     def train(self, name, cmd, tree, images, rows=2, memory_at_row=None, to_the_end=False) -> dict:
         """Run until results.csv has `rows` rows (to_the_end: until the run exits, and its seconds); img/s of the
-        last epoch, the kit's in-loop figures and epoch ends, peak GPU memory, (memory_at_row) the node's memory for
-        the image cache when that row lands, and the checkpoints the kit recorded in its run.json meanwhile."""
+        last epoch, the kit's in-loop figures and epoch ends, peak GPU memory and (memory_at_row) the node's memory for
+        the image cache when that row lands."""
         csv_path = self.work / 'runs' / name / 'results.csv'
         csv_path.unlink(missing_ok=True)
         sampler = GpuSampler() if self.cuda else None
         started, stamps, cache = time.monotonic(), [], None
-        saved = Checkpoints(csv_path.parent)
         proc, log_path = self.launch(name, cmd, tree)
         try:
             while to_the_end or len(stamps) < rows:
-                saved.poll()
                 new = count_rows(csv_path) - len(stamps)
                 stamps += [time.monotonic()] * max(new, 0)
                 if memory_at_row and len(stamps) >= memory_at_row and cache is None:
@@ -263,8 +261,6 @@ class Bench:
                 if time.monotonic() - started > self.size['run_timeout_s']:
                     raise RunFailed(f'{name} timed out after {len(stamps)} epochs: {log_tail(log_path)}')
                 time.sleep(0.05)
-            if PERIODIC.search(' '.join(cmd)):  # a periodic write of the timed epoch may end after its row
-                saved.wait_for([rows, 0], proc, timeout=30)
         finally:
             ended = time.monotonic()
             stop(proc, self.cuda)
@@ -291,8 +287,6 @@ class Bench:
             figures['gpu0'] = sampler.during(stamps[-2], stamps[-1])  # the timed epoch
         if cache:
             figures['cache_memory'] = cache
-        if saved.seen:
-            figures['checkpoints'] = saved.counts(rows - 1, started, figures.get('epoch_s'), log_path)
         print(f'   {name}: {json.dumps({k: v for k, v in figures.items() if k != "command"})}', flush=True)
         return figures
 
@@ -636,8 +630,6 @@ READ_BY = {'kit_levers': ('per-gpu', 'per-gpu-det', 'parity', 'entry-points', 'c
            'quick': ('entry-points',), 'window_s': ('ckpt-windows',)}
 # set after that check: None is 'not given'
 OPTION_DEFAULTS = {'window_s': 60.0, 'task': DEFAULT_TASK}
-PERIODIC = re.compile(r'--checkpoint-(minutes|steps)\b')
-SKIPPED = re.compile(r'checkpoint at epoch \d+ step \d+ skipped')  # CheckpointWriter's line: a due one not written
 
 
 @dataclass(frozen=True)
@@ -787,55 +779,6 @@ class GpuSampler:
         _, sm_mhz, power_w, temp_c = zip(*inside)
         return {'sm_mhz': statistics.median(sm_mhz), 'power_w': round(statistics.median(power_w)),
                 'temp_c_max': max(temp_c), 'samples': len(inside)}
-
-
-class Checkpoints:
-    """The checkpoints a kit run records in run.json while it trains ('saved_position' [epoch, step], step 0 at an
-    epoch's end), each with when it was seen: polled every 50 ms, so writes seconds apart are each seen. The kit logs
-    nothing on a successful periodic write; run.json is updated once its file is in place."""
-
-    def __init__(self, folder: Path):
-        self.path, self.seen = Path(folder) / 'run.json', []  # [(time.monotonic(), [epoch, step])]
-        self.stamp = self.mtime()  # a file left by an earlier run of that name counts for nothing
-
-    def mtime(self):
-        try:
-            return self.path.stat().st_mtime_ns
-        except FileNotFoundError:
-            return None
-
-    def poll(self):
-        stamp = self.mtime()
-        if stamp is None or stamp == self.stamp:
-            return
-        try:
-            where = json.loads(self.path.read_text()).get('saved_position')
-        except (OSError, ValueError):  # replaced while read: the next poll reads it
-            return
-        self.stamp = stamp
-        if where and (not self.seen or self.seen[-1][1] != where):
-            self.seen.append((time.monotonic(), where))
-
-    def wait_for(self, where: list, proc, timeout: float):
-        """Until the run records `where` (an epoch's end: every periodic write before it has ended), or exits."""
-        ends = time.monotonic() + timeout
-        while not any(w == where for _, w in self.seen) and proc.poll() is None and time.monotonic() < ends:
-            time.sleep(0.05)
-            self.poll()
-
-    def counts(self, timed_epoch: int, started: float, epoch_s, log_path: Path) -> dict:
-        """Periodic checkpoints written (step > 0), those of the timed epoch and how many a minute that is, when
-        each was seen (s since the run's start), epoch-end saves, and due ones skipped (the log's lines)."""
-        periodic = [(t, w) for t, w in self.seen if w[1] > 0]
-        timed = sum(1 for _, w in periodic if w[0] == timed_epoch)
-        counts = {'periodic': len(periodic), 'periodic_in_timed_epoch': timed,
-                  'periodic_at_s': [round(t - started, 1) for t, _ in periodic],
-                  'periodic_positions': [w for _, w in periodic],
-                  'epoch_end': sum(1 for _, w in self.seen if w[1] == 0),
-                  'skipped': len(SKIPPED.findall(log_path.read_text(errors='replace')))}
-        if epoch_s:
-            counts['per_minute_in_timed_epoch'] = round(timed * 60 / epoch_s, 2)
-        return counts
 
 
 def log_tail(path: Path) -> str:

@@ -112,7 +112,8 @@ class Faults(Part):
 
     def before_train(self, trainer):
         STATE['trainer'] = trainer
-        record('start', start_epoch=trainer.state.epoch, start_step=trainer.state.step, weights=str(trainer.opt.weights))
+        record('start', start_epoch=trainer.state.epoch, start_step=trainer.state.step,
+               weights=str(trainer.opt.weights))
         trainer.compute_loss = LossFaults(trainer.compute_loss)
         samples = trainer.train_loader.dataset  # yolov9_ddp.stream.SeededSamples: its dataset is upstream's
         samples.dataset = DatasetFaults(samples.dataset)
