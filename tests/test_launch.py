@@ -62,7 +62,8 @@ def test_a_list_starts_a_torchrun_job_that_restarts_after_a_failure_and_stops_on
                                                                                             tmp_path):
     """`python faulty_train.py --device cpu,cpu --max-restarts 1`: two processes (world size 2); rank 1 killed in
     epoch 1, the job restarts and continues its run; SIGTERM to the starting process mid-epoch 2 stops every rank
-    after the same step, exit 143, with --save-on-signal's resumable last.pt, and no process of the job is left."""
+    after the same step, exit 143, with --save-on-signal's resumable last.pt, and no process of the job is left. A
+    resume starts the run's list again, and the line about its flags comes once."""
     project = tmp_path / 'runs'
     cmd = [sys.executable, FAULTY, *fault_args(demo_data, project, 3), '--device', 'cpu,cpu', '--max-restarts', 1,
            '--save-on-signal']
@@ -76,8 +77,10 @@ def test_a_list_starts_a_torchrun_job_that_restarts_after_a_failure_and_stops_on
     assert time.monotonic() - started < 60 and 'world size 2' in output and 'torchrun restart 1: continuing' in output
     assert output.count('ddp_train_dual.py: stopped on SIGTERM; resumable checkpoint written to') == 1, output[-3000:]
     assert lingering(job.marker) == []
-    resumed = run([sys.executable, 'ddp_train_dual.py', '--resume', project / 'exp' / 'weights' / 'last.pt'],
-                  patched_tree, timeout=300)
+    resumed = run([sys.executable, 'ddp_train_dual.py', '--resume', project / 'exp' / 'weights' / 'last.pt',
+                   '--batch-size', 8], patched_tree, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert 'world size 2' in resumed.stdout, "the run's own --device list, started again"
+    said = resumed.stdout + resumed.stderr
+    assert said.count('so these flags are ignored: --batch-size 8') == 1, 'said by rank 0, not by its launcher too'
     assert completed_run_problems(project, 3) == []

@@ -248,7 +248,7 @@ def test_a_runs_cuda_graphs_turn_off_in_one_line_where_a_resume_cannot_use_them(
 
 
 @pytest.mark.usefixtures('upstream_importable')
-def test_a_run_trained_with_cuda_graphs_resumes_on_cpus_without_them(tmp_path, monkeypatch):
+def test_a_run_trained_with_cuda_graphs_resumes_on_cpus_without_them(tmp_path):
     """A run started on one GPU with cuda_graphs continues on CPUs or on 2 processes: its recorded switch turns off
     for this start, it is not refused."""
     from yolov9_ddp import build, runs
@@ -258,8 +258,7 @@ def test_a_run_trained_with_cuda_graphs_resumes_on_cpus_without_them(tmp_path, m
     plan = runs.RunPlan(tmp_path / 'exp', resume_from=tmp_path / 'exp' / 'weights' / 'last.pt', options=recorded)
     argv = ['--resume', str(plan.resume_from), '--device', 'cpu']
     opt, said = cli.parse_args(argv, tmp_path, task), []
-    monkeypatch.setattr(build.LOGGER, 'info', said.append)
-    build.restore_resumed_options(opt, plan, cli.given_flags(argv, tmp_path, task))
+    build.restore_resumed_options(opt, plan, cli.given_flags(argv, tmp_path, task), said.append)
     assert perf.parse(opt.levers)['cuda_graphs'] is False and opt.device == 'cpu'
     assert [line for line in said if 'cuda_graphs 1 -> 0' in line]
     cli.check_options(opt, 1, task)  # what would refuse the resume: '--levers cuda_graphs=1 needs a CUDA device'

@@ -45,14 +45,14 @@ def configure_logging():
         handler.setFormatter(logging.Formatter(f'[rank {rank}] %(message)s'))
 
 
-def plan_start(opt, given: dict = None) -> runs.RunPlan:
+def plan_start(opt, given: dict = None, say=LOGGER.info) -> runs.RunPlan:
     """Rank 0 decides the run, every rank learns it, and a resume takes the run's own options, so that the checks and
     the device of every rank are the run's, not the command line's defaults. given: the flags the command line gives
-    (cli.given_flags)."""
+    (cli.given_flags); say: what takes the resume's lines about them."""
     configure_logging()
     plan = comm.rank0_decides(lambda: plan_run(opt), opt.ddp_timeout)
     if plan.resume_from is not None:
-        restore_resumed_options(opt, plan, given or {})
+        restore_resumed_options(opt, plan, given or {}, say)
     return plan
 
 
@@ -62,7 +62,7 @@ def plan_run(opt) -> runs.RunPlan:
     return plan if plan.resume_from is None else replace(plan, options=runs.saved_options(plan))
 
 
-def restore_resumed_options(opt, plan, given: dict):
+def restore_resumed_options(opt, plan, given: dict, say):
     """On resume, take the run's saved options (as upstream), this start's own where its command line gives them
     (runs.py); one line names the given flags that the run's own values overrule. --deterministic, once set, is
     kept, and a resume may set it."""
@@ -74,13 +74,13 @@ def restore_resumed_options(opt, plan, given: dict):
     except ValueError as e:
         raise cli.UsageError(f'{e} (the run in {plan.save_dir} is deterministic)') from e
     vars(opt).update(resumed)
-    opt.levers = perf.resumed(plan.options, given_switches, opt, comm.launched_world_size(), LOGGER.info)
+    opt.levers = perf.resumed(plan.options, given_switches, opt, comm.launched_world_size(), say)
     opt.resume, opt.weights = True, str(plan.resume_from)
     if opt.cfg and not Path(opt.cfg).is_file():  # a relative path from another folder: the checkpoint's own yaml
         opt.cfg = ''
     if overruled and comm.launched_rank() == 0:
-        LOGGER.warning(f"WARNING: a resumed run keeps its own options (opt.yaml), so these flags are ignored: "
-                       f"{', '.join(overruled)}")
+        say(f"WARNING: a resumed run keeps its own options (opt.yaml), so these flags are ignored: "
+            f"{', '.join(overruled)}")
 
 
 # -- the run: inside the process group -----------------------------------------------------------------------------

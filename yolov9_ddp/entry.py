@@ -68,9 +68,12 @@ def main(task_name: str, argv=None, root=None, parts=()) -> int:
         if not resumes:  # a new run's options are its own already: refused before upstream's modules load (4 s)
             device = checked_device(opt, task)
         from yolov9_ddp import build  # upstream's modules
-        plan = build.plan_start(opt, cli.given_flags(argv, root, task))  # a resume: opt is the run's from here
+        said = []  # the resume's lines: said here, unless the run's --device list starts workers that say them
+        plan = build.plan_start(opt, cli.given_flags(argv, root, task), said.append)  # a resume: the run's opt
         if resumes and launch.wanted(opt):  # the run's own --device list
             return launch.run(sys.argv[0], command, opt)
+        for line in said:
+            build.LOGGER.info(line)
         if resumes:
             device = checked_device(opt, task)
         comm.print_banner(device, opt.device)
