@@ -403,6 +403,44 @@ def test_out_of_gpu_memory_for_the_graphs_the_run_trains_on_without_them_after_o
     assert len(lines) == 2
 
 
+
+@pytest.mark.usefixtures('upstream_importable')
+def test_out_of_gpu_memory_in_a_training_step_the_graphs_go_and_the_micro_step_runs_again_eagerly():
+    """Out of memory in a micro-step beside the graphs (here in its loss), where no other micro-step's gradients are
+    held: the graphs go in one line and the micro-step runs again, to the gradients of one eager micro-step. Where
+    another's are held, without graphs, or once they have gone, the error is the run's."""
+    from yolov9_ddp.trainer import Trainer
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    eager, x = copy.deepcopy(model), torch.randn(5, 4)
+    eager(x).square().sum().backward()
+    failures, lines = [1], []
+
+    def compute_loss(pred, targets):
+        if failures and failures.pop():
+            raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')
+        return pred.square().sum(), torch.zeros(3)
+
+    def trainer(perf, last_opt_step=-1):
+        made = Trainer.__new__(Trainer)
+        vars(made).update(perf=perf, world=1, amp=False, warmup_iters=-1, compute_loss=compute_loss,
+                          opt=SimpleNamespace(multi_scale=False, quad=False),
+                          state=SimpleNamespace(last_opt_step=last_opt_step, accumulate=4),
+                          scaler=torch.amp.GradScaler('cpu', enabled=False),
+                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          forward=graphs.GraphedModel(model, capture=lambda module, sample: module.forward,
+                                                      log=lines.append) if perf.cuda_graphs else model)
+        return made
+    stepped_down = trainer(Perf(cuda_graphs=True))
+    assert torch.equal(stepped_down.train_step(0, 0, x, None), torch.zeros(3)) and stepped_down.forward.eager
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), eager.parameters()))
+    assert lines == ['WARNING: out of GPU memory in a training step: training goes on without CUDA graphs '
+                     '(cuda_graphs=0), which need memory of their own']
+    for refused in (trainer(Perf(cuda_graphs=True), last_opt_step=-2), trainer(Perf()), stepped_down):
+        failures.append(1)
+        with pytest.raises(torch.OutOfMemoryError):
+            refused.train_step(0, 0, x, None)
+    assert len(lines) == 1
+
 # -- recorded with a real run, kept by its resume ---------------------------------------------------------------
 
 RUN_LEVERS = 'cudnn_benchmark=0,dense_box_loss=1'  # the run trains with the box loss over every anchor

@@ -148,16 +148,35 @@ class Trainer:
         # micro-steps that do not step skip DDP's gradient all-reduce; the stepping one reduces the sum
         sync = nullcontext() if steps or self.world == 1 else self.model.no_sync()
         with sync:
-            with torch.amp.autocast('cuda', enabled=self.amp, cache_enabled=not self.perf.cuda_graphs):
-                pred = self.forward(imgs)
-                loss, loss_items = self.compute_loss(pred, targets, **loss_inputs)
-                loss *= self.world  # DDP averages gradients over ranks; upstream's loss is a sum over the batch
-                if opt.quad:
-                    loss *= 4.
-            self.scaler.scale(loss).backward()
+            try:
+                loss_items = self.backward(imgs, targets, loss_inputs)
+            except torch.OutOfMemoryError:
+                if not self.perf.cuda_graphs or self.forward.eager or run.last_opt_step != ni - 1:
+                    raise  # no graphs to let go, or another micro-step's gradients held
+            else:
+                return self.stepped(ni, steps, loss_items)
+        # Out of GPU memory beside the graphs, where no other micro-step's gradients are held: the graphs go and the
+        # micro-step runs again eagerly, from no gradients (its BatchNorm statistics are updated twice, once).
+        self.optimizer.zero_grad(set_to_none=True)
+        self.forward.step_down('in a training step')  # once the error and the tensors its frames hold are gone
+        return self.stepped(ni, steps, self.backward(imgs, targets, loss_inputs))
+
+    def backward(self, imgs, targets, loss_inputs) -> torch.Tensor:
+        """A micro-step's forward, loss and backward; its loss items."""
+        with torch.amp.autocast('cuda', enabled=self.amp, cache_enabled=not self.perf.cuda_graphs):
+            pred = self.forward(imgs)
+            loss, loss_items = self.compute_loss(pred, targets, **loss_inputs)
+            loss *= self.world  # DDP averages gradients over ranks; upstream's loss is a sum over the batch
+            if self.opt.quad:
+                loss *= 4.
+        self.scaler.scale(loss).backward()
+        return loss_items
+
+    def stepped(self, ni, steps: bool, loss_items):
+        """loss_items, after the optimizer step where the micro-step ends an accumulation."""
         if steps:
             self.optimizer_step()
-            run.last_opt_step = ni
+            self.state.last_opt_step = ni
         return loss_items
 
     def optimizer_step(self):
