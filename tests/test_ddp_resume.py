@@ -120,6 +120,21 @@ def test_a_truncated_checkpoint_is_reported_not_loaded(tmp_path):
         checkpoints.load_checkpoint(target)
 
 
+
+def test_a_final_checkpoint_beside_its_previous_is_resumed_from_the_previous_with_why(tmp_path):
+    """A run stopped between its last epoch's write (stripped) and its recorded end resumes from the checkpoint
+    before, saying so in words that fit; a finished run's final checkpoint, alone, is refused with the way on."""
+    last, lines = tmp_path / 'last.pt', []
+    resumable = {**{key: 0 for key in checkpoints.RESUME_KEYS}, 'epoch': 1, 'model': torch.zeros(1)}
+    checkpoints.save_file({'epoch': -1, 'model': torch.zeros(1), 'optimizer': None}, last)
+    with pytest.raises(checkpoints.FinalCheckpoint, match='give --epochs beyond its total'):
+        checkpoints.load_for_resume(last, lines.append)
+    checkpoints.save_file(resumable, checkpoints.previous_path(last))
+    ckpt, source = checkpoints.load_for_resume(last, lines.append)
+    assert source == checkpoints.previous_path(last) and ckpt['epoch'] == 1
+    assert lines == [f"WARNING: {last} is the run's final checkpoint, but the run stopped before its end was "
+                     f"recorded; resuming from {source} instead (one checkpoint earlier)"]
+
 def test_a_start_that_trains_epochs_again_drops_their_results_rows(tmp_path):
     """Rows of the epoch the start continues at and later go, a row cut short by a kill with them; those before stay
     byte for byte."""

@@ -29,6 +29,10 @@ class CheckpointError(Exception):
     """A checkpoint file that cannot be used; the message names the file and the reason."""
 
 
+class FinalCheckpoint(CheckpointError):
+    """A run's final checkpoint, stripped of what a resume needs."""
+
+
 class ModelMismatch(CheckpointError, Unanimous):
     """A resume checkpoint of another model: every rank finds it loading the same weights."""
 
@@ -64,7 +68,7 @@ def load_checkpoint(path: Path, require_resume_state=False) -> dict:
     if require_resume_state:
         missing = [k for k in RESUME_KEYS if ckpt.get(k) is None]  # a final checkpoint is stripped of them
         if missing:
-            raise CheckpointError(f'{path} cannot be resumed: it lacks {", ".join(missing)} (a finished run\'s, '
+            raise FinalCheckpoint(f'{path} cannot be resumed: it lacks {", ".join(missing)} (a finished run\'s, '
                                   f'stripped: give --epochs beyond its total to train it further)')
     return ckpt
 
@@ -76,9 +80,11 @@ def load_for_resume(path: Path, log, stripped_ok=False) -> tuple:
         return load_checkpoint(path, require_resume_state=not stripped_ok), path
     except CheckpointError as error:
         previous = previous_path(path)
-        if not previous.is_file():
+        if not previous.is_file():  # a finished run's final checkpoint has none: the finish removed it
             raise
-        log(f'WARNING: {error}; resuming from {previous} instead (one checkpoint earlier)')
+        why = f'{path} is the run\'s final checkpoint, but the run stopped before its end was recorded' \
+            if isinstance(error, FinalCheckpoint) else error
+        log(f'WARNING: {why}; resuming from {previous} instead (one checkpoint earlier)')
         try:
             return load_checkpoint(previous, require_resume_state=not stripped_ok), previous
         except CheckpointError as second:
