@@ -105,7 +105,8 @@ def epochs_loaded(folder) -> set:
 def test_persistent_workers_load_the_next_epochs_first_batches_before_it_starts(tmp_path, persistent):
     """The training batches, epoch by epoch from a start at step 1, are the stream's, with or without persistent
     workers; persistent ones have loaded some of epoch 2 when epoch 1's last batch is trained (one iterator serves
-    the run), workers of one epoch only its own (each epoch's iterator starts with idle workers)."""
+    the run), workers of one epoch only its own (each epoch's iterator starts with idle workers). Persistent ones end
+    as training does."""
     sampler = StreamSampler(12, 4, 0, 1, seed=0)  # 3 steps an epoch
     loader = DataLoader(Recording(tmp_path), batch_sampler=sampler, num_workers=2, persistent_workers=persistent,
                         prefetch_factor=2, collate_fn=list)
@@ -118,6 +119,9 @@ def test_persistent_workers_load_the_next_epochs_first_batches_before_it_starts(
     trained += [list(batches.of_epoch(epoch)) for epoch in (2, 3)]
     stream = [epoch_batches(12, 4, 1, 1, start=1), epoch_batches(12, 4, 1, 2), epoch_batches(12, 4, 1, 3)]
     assert trained == [[shares[0] for shares in epoch] for epoch in stream]
+    workers = loader._iterator._workers if persistent else []
+    batches.end()
+    assert not any(worker.is_alive() for worker in workers)
 
 
 def test_the_order_changes_every_epoch_and_repeats_with_the_seed():

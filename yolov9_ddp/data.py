@@ -78,6 +78,13 @@ class TrainingBatches:
             self.run_long = iter(self.loader)
         return islice(self.run_long, sampler.steps - start_step)
 
+    def end(self):
+        """Training is over: the persistent workers end now, not with the process. One the kernel killed meanwhile
+        (its out-of-memory killer picks a worker) would fail a run whose training has ended, in its finish."""
+        if self.run_long is not None:
+            self.run_long._shutdown_workers()  # what the iterator's __del__ does; the loader keeps a reference
+            self.run_long = self.loader._iterator = None
+
 
 def init_worker(worker_id, trainer_pid):
     """Loader workers leave SIGTERM/SIGINT to their trainer (a worker dying first of torchrun's signal to the group

@@ -66,6 +66,7 @@ class Trainer:
             self.call('after_epoch', epoch)
             if self.stop_early:
                 break
+        self.batches.end()
         LOGGER.info(f'\n{run.epoch - first} epochs completed in {(time.time() - t0) / 3600:.3f} hours.')
         self.call('after_train')
 
