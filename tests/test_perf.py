@@ -508,16 +508,3 @@ def test_validation_runs_without_cudnn_autotuning_and_training_gets_it_back_what
     finally:
         torch.backends.cudnn.benchmark = before
     assert seen == [(False, 'ema'), (False, 'failing')]
-
-
-@pytest.mark.usefixtures('upstream_importable')
-@pytest.mark.parametrize('channels_last', [False, True])
-def test_a_batchs_images_are_upstreams_float_division_in_the_layout_the_model_takes(channels_last):
-    """One float buffer, divided in place, holds upstream's imgs.float() / 255 bit for bit."""
-    from yolov9_ddp.trainer import Trainer
-    images = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
-    trainer = SimpleNamespace(device=torch.device('cpu'), cuda=False, perf=Perf(channels_last=channels_last))
-    made = Trainer.device_images(trainer, images)
-    assert made.dtype == torch.float32 and torch.equal(made, images.float() / 255)
-    assert made.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    assert made.is_contiguous() != channels_last

@@ -95,7 +95,9 @@ class Trainer:
             self.callbacks.run('on_train_batch_start')
             ni = i + self.nb * epoch
             imgs, targets, paths = batch[:3]
-            imgs = self.device_images(imgs)
+            imgs = imgs.to(self.device, non_blocking=self.cuda).float() / 255  # page-locked: no wait (data.py)
+            if self.perf.channels_last:
+                imgs = imgs.contiguous(memory_format=torch.channels_last)
             loss_items = self.train_step(ni, epoch, imgs, self.loss_targets(targets),
                                          **self.task.loss_inputs(batch, self.device, self.cuda))
             self.mloss = (self.mloss * i + loss_items) / (i + 1)
@@ -110,15 +112,7 @@ class Trainer:
                                          (f'{epoch}/{opt.epochs - 1}', mem, *shown, targets.shape[0], imgs.shape[-1]))
                 self.callbacks.run('on_train_batch_end', self.raw_model, ni, imgs, targets, paths, list(self.mloss),
                                    **self.task.plot_inputs(batch))
-            del imgs  # gone before the next batch's are made: two batches' images at once raise the memory's peak
         run.epoch, run.step = epoch + 1, 0
-
-    def device_images(self, images: torch.Tensor) -> torch.Tensor:
-        """The loader's uint8 images on the device as upstream's float / 255, made in one float buffer in the
-        layout the model takes (upstream's float(), division and a channels_last copy would be three)."""
-        images = images.to(self.device, non_blocking=self.cuda)  # page-locked: no wait (data.py)
-        layout = torch.channels_last if self.perf.channels_last else torch.contiguous_format
-        return torch.empty_like(images, dtype=torch.float32, memory_format=layout).copy_(images).div_(255)
 
     def loss_targets(self, targets: torch.Tensor) -> torch.Tensor:
         """The batch's targets as the loss takes them: the loader's (on the host) with dense_box_loss, where the task's
