@@ -391,15 +391,20 @@ def test_out_of_gpu_memory_for_the_graphs_the_run_trains_on_without_them_after_o
                 raise torch.OutOfMemoryError('CUDA out of memory')
             return 'metrics'
         return calls, validated
+
+    def trainer(**attributes):
+        made = Trainer.__new__(Trainer)
+        vars(made).update(attributes)
+        return made
     calls, validated = validation(1)
-    trainer = SimpleNamespace(perf=Perf(cuda_graphs=True), forward=graphs.GraphedModel(model, log=lines.append),
-                              validated=validated)
-    assert Trainer.validate(trainer, 'ema', plots=False) == 'metrics' and calls == ['ema', 'ema']
-    assert trainer.forward.eager and lines[-1].startswith('WARNING: out of GPU memory in validation: ')
-    for perf, forward in ((Perf(cuda_graphs=True), trainer.forward), (Perf(), model)):
+    with_graphs = trainer(perf=Perf(cuda_graphs=True), forward=graphs.GraphedModel(model, log=lines.append),
+                          validated=validated)
+    assert with_graphs.validate('ema', plots=False) == 'metrics' and calls == ['ema', 'ema']
+    assert with_graphs.forward.eager and lines[-1].startswith('WARNING: out of GPU memory in validation: ')
+    for perf, forward in ((Perf(cuda_graphs=True), with_graphs.forward), (Perf(), model)):
         calls, validated = validation(1)
         with pytest.raises(torch.OutOfMemoryError):
-            Trainer.validate(SimpleNamespace(perf=perf, forward=forward, validated=validated), 'ema', plots=False)
+            trainer(perf=perf, forward=forward, validated=validated).validate('ema', plots=False)
     assert len(lines) == 2
 
 

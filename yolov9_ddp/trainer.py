@@ -146,7 +146,7 @@ class Trainer:
             try:
                 loss_items = self.backward(imgs, targets, loss_inputs)
             except torch.OutOfMemoryError:
-                if not self.perf.cuda_graphs or self.forward.eager or run.last_opt_step != ni - 1:
+                if not self.graphs_in_use or run.last_opt_step != ni - 1:
                     raise  # no graphs to let go, or another micro-step's gradients held
             else:
                 return self.stepped(ni, steps, loss_items)
@@ -173,6 +173,11 @@ class Trainer:
             self.optimizer_step()
             self.state.last_opt_step = ni
         return loss_items
+
+    @property
+    def graphs_in_use(self) -> bool:
+        """Whether CUDA graphs replay the model's steps: an out-of-memory error can be met by letting them go."""
+        return self.perf.cuda_graphs and not self.forward.eager
 
     def optimizer_step(self):
         self.scaler.unscale_(self.optimizer)
@@ -211,7 +216,7 @@ class Trainer:
         try:
             return self.validated(model, plots, compute_loss)
         except torch.OutOfMemoryError:
-            if not self.perf.cuda_graphs or self.forward.eager:
+            if not self.graphs_in_use:
                 raise
         self.forward.step_down('in validation')  # once the error and the tensors its frames hold are gone
         return self.validated(model, plots, compute_loss)
